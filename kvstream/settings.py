@@ -1,0 +1,87 @@
+"""One typed settings object for every command: flags > ``KVSTREAM_*`` env > TOML > defaults.
+
+Nested sections are set from the environment with a double underscore, e.g.
+``KVSTREAM_SCHEDULER__HOST_CACHE_HIT_WEIGHT=0.5``; the TOML file uses ``[scheduler]``.
+The file is named by ``--config`` or ``KVSTREAM_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+_config_file: Path | None = None
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be loaded; the message says which and why."""
+
+
+class TopicSettings(BaseModel):
+    """Names and settings of the topics of DESIGN.md §2."""
+
+    prefix: str = "kvstream."
+    events_partitions: int = Field(12, ge=1)
+    events_retention_ms: int = Field(24 * 3600 * 1000, ge=60_000)
+    active_partitions: int = Field(1, ge=1)
+    active_retention_ms: int = Field(3600 * 1000, ge=60_000)
+    control_partitions: int = Field(1, ge=1)
+    dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    #: Replication factor; 0 means min(3, number of brokers).
+    replication_factor: int = Field(0, ge=0)
+
+    def name(self, topic: str) -> str:
+        return f"{self.prefix}{topic}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVSTREAM_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    #: Kafka bootstrap servers; unset means the local development broker (kvstream broker).
+    bootstrap: str | None = None
+    #: librdkafka options passed through to every client (security.protocol, sasl.*, ssl.*).
+    kafka_options: dict[str, str] = Field(default_factory=dict)
+    topics: TopicSettings = Field(default_factory=TopicSettings)
+    log_level: str = "INFO"
+    #: ``json`` for machines, ``console`` for people.
+    log_format: str = "console"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if _config_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=_config_file))
+        return tuple(sources)
+
+
+def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
+    """Settings from flags (``overrides``, None values ignored), env and the TOML file."""
+    global _config_file
+    path = config or os.environ.get("KVSTREAM_CONFIG")
+    _config_file = Path(path) if path else None
+    if _config_file is not None and not _config_file.is_file():
+        raise SettingsError(f"config file {_config_file} does not exist")
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise SettingsError(f"invalid settings: {exc}") from None
+    finally:
+        _config_file = None

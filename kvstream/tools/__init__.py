@@ -1,0 +1,1 @@
+"""Operator and developer tools: hash, bench, demo, replay, simulate."""

@@ -1,0 +1,20 @@
+"""``kvstream bench NAME``: benchmarks of the hot paths (DESIGN.md §11).
+
+Each prints one JSON object whose figures and baseline come from the same run; compare
+ratios, not absolute times, on shared machines.
+"""
+
+from __future__ import annotations
+
+import click
+
+from kvstream.cli import LazyGroup
+
+BENCHES: dict[str, str] = {
+    "hashing": "kvstream.tools.bench.hashing:hashing_bench",
+}
+
+
+@click.group(cls=LazyGroup, lazy=BENCHES)
+def bench() -> None:
+    """Benchmarks; each prints one JSON object (with --json) or a short table."""

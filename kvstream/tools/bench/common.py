@@ -1,0 +1,53 @@
+"""Shared pieces of the benchmarks: timing, percentiles, output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+import numpy as np
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+
+
+def percentiles_us(samples_ns: Sequence[int], *qs: float) -> list[float]:
+    """Percentiles of nanosecond samples, in microseconds."""
+    arr = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return [round(float(np.percentile(arr, q)), 3) for q in qs]
+
+
+def time_calls(fn: Callable[[], object], repeat: int) -> list[int]:
+    """Wall time in ns of each of ``repeat`` calls of ``fn``."""
+    out = []
+    clock = time.perf_counter_ns
+    for _ in range(repeat):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return out
+
+
+def best_of(fn: Callable[[], object], loops: int, rounds: int = 5) -> float:
+    """Best mean seconds per call over ``rounds`` rounds of ``loops`` calls (noise-robust)."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / loops)
+    return best
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    """Print the result: one JSON object, or aligned ``key  value`` lines."""
+    result = {"machine": platform.machine(), "python": platform.python_version(), **result}
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    width = max(len(k) for k in result)
+    for k, v in result.items():
+        click.echo(f"{k:<{width}}  {v}")
