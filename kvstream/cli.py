@@ -17,6 +17,8 @@ COMMANDS: dict[str, str] = {
     "broker": "kvstream.kafka.cli:broker",
     "topics": "kvstream.kafka.cli:topics",
     "demo": "kvstream.tools.demo:demo",
+    "router": "kvstream.replica.cli:router",
+    "worker": "kvstream.worker.cli:worker",
 }
 
 

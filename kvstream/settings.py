@@ -35,12 +35,44 @@ class TopicSettings(BaseModel):
     active_partitions: int = Field(1, ge=1)
     active_retention_ms: int = Field(3600 * 1000, ge=60_000)
     control_partitions: int = Field(1, ge=1)
+    control_retention_ms: int = Field(3600 * 1000, ge=60_000)
+    dlq_partitions: int = Field(1, ge=1)
     dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
     #: Replication factor; 0 means min(3, number of brokers).
     replication_factor: int = Field(0, ge=0)
 
     def name(self, topic: str) -> str:
         return f"{self.prefix}{topic}"
+
+
+class RouterSettings(BaseModel):
+    """Block size and the scheduler's global weights (DESIGN.md §5; ref defaults)."""
+
+    block_size: int = Field(16, ge=1)
+    overlap_score_credit: float = Field(1.0, ge=0)
+    host_cache_hit_weight: float = Field(0.75, ge=0)
+    disk_cache_hit_weight: float = Field(0.25, ge=0)
+    prefill_load_scale: float = Field(1.0, ge=0)
+    decode_active_request_weight: float = Field(0.0, ge=0)
+    router_temperature: float = Field(0.0, ge=0)
+    max_active_decode_blocks: int | None = Field(None, ge=0)
+    max_active_prefill_tokens: int | None = Field(None, ge=0)
+    request_ttl_s: float = Field(300.0, gt=0)
+
+
+class ReplicaSettings(BaseModel):
+    """How ``kvstream router`` runs a replica (DESIGN.md §7, §9)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8470, ge=0, le=65535)
+    #: Bearer token required by the HTTP API (unset: none).
+    token: str | None = None
+    snapshot_dir: Path | None = None
+    snapshot_every_records: int = Field(200_000, ge=0)
+    snapshot_every_s: float = Field(60.0, ge=0)
+    ready_max_lag: int = Field(1000, ge=0)
+    tick_interval_s: float = Field(5.0, gt=0)
+    peer_url: str | None = None
 
 
 class Settings(BaseSettings):
@@ -53,6 +85,8 @@ class Settings(BaseSettings):
     #: librdkafka options passed through to every client (security.protocol, sasl.*, ssl.*).
     kafka_options: dict[str, str] = Field(default_factory=dict)
     topics: TopicSettings = Field(default_factory=TopicSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"

@@ -1,0 +1,63 @@
+"""Active-sequence ops (kvstream.router.active) ↔ ``kvstream.active.ActiveOp`` records."""
+
+from __future__ import annotations
+
+from kvstream.events.codec import AvroCodec, pack_u64, unpack_u64
+from kvstream.events.errors import DecodeError
+from kvstream.events.model import U64_MAX
+from kvstream.router.active import ActiveOp, AddRequest, FreeRequest, PrefillDone
+
+ACTIVE_OP = "kvstream.active.ActiveOp"
+_I64_MAX = (1 << 63) - 1
+
+
+class ActiveOpCodec:
+    def __init__(self, codec: AvroCodec | None = None) -> None:
+        self.codec = codec if codec is not None else AvroCodec()
+
+    def encode(self, replica_id: str, op: ActiveOp) -> bytes:
+        record: dict[str, object] = {
+            "replica_id": replica_id,
+            "request_id": op.request_id,
+            "timestamp_ms": int(op.timestamp * 1000),
+            "worker_id": 0,
+            "dp_rank": 0,
+            "isl": 0,
+            "overlap_tokens": 0,
+            "sequence_hashes": b"",
+        }
+        if isinstance(op, AddRequest):
+            wid = op.worker_id
+            record.update(
+                kind="ADD",
+                worker_id=wid - (1 << 64) if wid > _I64_MAX else wid,
+                dp_rank=op.dp_rank,
+                isl=op.isl,
+                overlap_tokens=op.overlap_tokens,
+                sequence_hashes=pack_u64(op.sequence_hashes),
+            )
+        else:
+            record["kind"] = "PREFILL_DONE" if isinstance(op, PrefillDone) else "FREE"
+        return self.codec.encode(ACTIVE_OP, record)
+
+    def decode(self, data: bytes) -> tuple[str, ActiveOp]:
+        """(replica id, op), or DecodeError."""
+        name, r = self.codec.decode(data)
+        if name != ACTIVE_OP:
+            raise DecodeError(f"expected a {ACTIVE_OP} record, got {name}")
+        ts = r["timestamp_ms"] / 1000
+        kind = r["kind"]
+        if kind == "ADD":
+            if r["isl"] < 0 or r["overlap_tokens"] < 0 or not 0 <= r["dp_rank"] < 2**32:
+                raise DecodeError("active op with a negative length or a bad dp_rank")
+            op: ActiveOp = AddRequest(
+                r["request_id"], r["worker_id"] & U64_MAX, r["dp_rank"], r["isl"],
+                r["overlap_tokens"], unpack_u64(r["sequence_hashes"]), ts,
+            )
+        elif kind == "PREFILL_DONE":
+            op = PrefillDone(r["request_id"], ts)
+        elif kind == "FREE":
+            op = FreeRequest(r["request_id"], ts)
+        else:
+            raise DecodeError(f"active op of unknown kind {kind}")
+        return r["replica_id"], op

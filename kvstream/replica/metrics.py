@@ -1,0 +1,61 @@
+"""Prometheus metrics of a replica (one registry per replica, served on /metrics)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvstream.replica.snapshot import SnapshotMeta
+
+
+class ReplicaMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.records = Counter("kvstream_records", "Records read from the events topic", registry=r)
+        self.events_applied = Counter("kvstream_events_applied", "Router events applied to the index", registry=r)
+        self.rejected = Gauge(
+            "kvstream_events_rejected", "Events or blocks rejected or skipped, by reason", ["reason"], registry=r
+        )
+        self.dlq = Counter("kvstream_dlq_records", "Records copied to the DLQ", registry=r)
+        self.consume_errors = Counter("kvstream_consume_errors", "Consumer errors", registry=r)
+        self.produce_failures = Counter("kvstream_produce_failures", "Failed deliveries (DLQ, control, active)", registry=r)
+        self.resync_requests = Counter("kvstream_resync_requests", "Resync requests published", registry=r)
+        self.lag = Gauge("kvstream_partition_lag", "Records behind the partition's end", ["partition"], registry=r)
+        self.snapshot_age = Gauge(
+            "kvstream_snapshot_age_seconds", "Seconds since the last committed snapshot", registry=r
+        )
+        self.snapshot_duration = Gauge(
+            "kvstream_snapshot_duration_seconds", "Duration of the last snapshot", registry=r
+        )
+        self.snapshot_blocks = Gauge("kvstream_snapshot_blocks", "Blocks in the last snapshot", registry=r)
+        self.snapshot_loaded_blocks = Gauge(
+            "kvstream_snapshot_loaded_blocks", "Blocks restored from a snapshot at start", registry=r
+        )
+        self.snapshot_fallbacks = Counter(
+            "kvstream_snapshot_fallbacks", "Snapshot generations skipped as invalid at start", registry=r
+        )
+        self.route_latency = Histogram(
+            "kvstream_route_latency_seconds",
+            "Routing decision latency",
+            buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2),
+            registry=r,
+        )
+        self.active_ops = Counter("kvstream_active_ops", "Active-sequence ops applied", ["source"], registry=r)
+        self.active_errors = Counter(
+            "kvstream_active_op_errors", "Active-sequence ops that could not be applied", ["reason"], registry=r
+        )
+        self.http_errors = Counter("kvstream_http_errors", "HTTP requests answered with 4xx/5xx", ["status"], registry=r)
+        self._last_commit: float | None = None
+        self.snapshot_age.set_function(
+            lambda: 0.0 if self._last_commit is None else time.time() - self._last_commit
+        )
+
+    def snapshot_committed(self, meta: SnapshotMeta, duration_s: float) -> None:
+        self._last_commit = time.time()
+        self.snapshot_duration.set(duration_s)
+        self.snapshot_blocks.set(meta.blocks())
+
+    def set_rejections(self, counters: dict[str, int]) -> None:
+        for reason, n in counters.items():
+            self.rejected.labels(reason=reason).set(n)

@@ -1,0 +1,205 @@
+"""Taking snapshots of a running fold without stalling it, and restoring one.
+
+The ingest thread calls :meth:`Snapshotter.step` between consume batches. When a
+snapshot is due, each step captures ONE partition (its offset, log clock and the workers
+on it, exporting only the workers changed since the last snapshot) and hands it to a
+writer thread; after the last partition the writer commits the generation atomically.
+Since every worker lives on one partition, each captured part is consistent with its
+own offset, whatever the other partitions did in between.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from kvstream.logs import get_logger
+from kvstream.replica.fold import LogFold, WorkerLog
+from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.snapshot import (
+    BlobRef,
+    PartitionMeta,
+    SnapshotMeta,
+    SnapshotStore,
+    WorkerMeta,
+    pack_worker,
+    unpack_worker,
+)
+
+log = get_logger(__name__)
+
+_PENDING = BlobRef(0, 0, 0)  # filled in by the writer thread
+
+
+class Snapshotter:
+    def __init__(
+        self,
+        store: SnapshotStore,
+        fold: LogFold,
+        topic: str,
+        topic_id: str | None,
+        partition_count: int,
+        every_records: int,
+        every_s: float,
+        metrics: ReplicaMetrics | None = None,
+        base: SnapshotMeta | None = None,
+    ) -> None:
+        self.store = store
+        self.fold = fold
+        self.topic = topic
+        self.topic_id = topic_id
+        self.partition_count = partition_count
+        self.every_records = every_records
+        self.every_s = every_s
+        self.metrics = metrics
+        #: The last committed (or restored) generation: unchanged workers point into it.
+        self.base = base
+        self._records = 0
+        self._last_commit = time.monotonic()
+        self._meta: SnapshotMeta | None = None
+        self._todo: list[int] = []
+        self._started = 0.0
+        self._forced = False
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._committed = threading.Condition()
+        self._writer = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
+        self._writer.start()
+        self.error: BaseException | None = None
+
+    # -- ingest thread ---------------------------------------------------------------
+
+    def records_applied(self, n: int) -> None:
+        self._records += n
+
+    def due(self) -> bool:
+        if self._forced:
+            return True
+        if self.every_records and self._records >= self.every_records:
+            return True
+        return bool(self.every_s) and self._records > 0 and time.monotonic() - self._last_commit >= self.every_s
+
+    def step(self) -> None:
+        """Capture one partition of the snapshot in progress (starting one when due)."""
+        if self._meta is None:
+            if not self.due():
+                return
+            self._begin()
+        assert self._meta is not None
+        p = self._todo.pop()
+        self._capture(self._meta, p)
+        if not self._todo:
+            self._queue.put(("commit", self._meta))
+            self._meta = None
+
+    def snapshot_now(self, timeout: float = 300.0) -> int:
+        """Capture every partition now and wait for the commit; returns the generation.
+        Call from the thread that owns the fold (or with the ingest stopped)."""
+        self._forced = True
+        if self._meta is None:
+            self._begin()
+        gen = self._meta.gen  # type: ignore[union-attr]
+        while self._meta is not None:
+            self.step()
+        self.wait_committed(gen, timeout)
+        return gen
+
+    def _begin(self) -> None:
+        gen = max(self.store.next_gen(), (self.base.gen + 1) if self.base else 1)
+        self._meta = SnapshotMeta(
+            gen, self.topic, self.topic_id, self.partition_count, int(time.time() * 1000),
+            counters=dict(self.fold.counters) | dict(self.fold.router.index.counters),
+        )
+        parts = set(range(self.partition_count)) | set(self.fold.partitions)
+        self._todo = sorted(parts, reverse=True)
+        self._records = 0
+        self._forced = False
+        self._started = time.monotonic()
+        # Workers removed since the last snapshot are simply absent from this one.
+        self.fold.dirty.intersection_update(self.fold.workers)
+
+    def _capture(self, meta: SnapshotMeta, p: int) -> None:
+        fold = self.fold
+        part = fold.partitions.get(p)
+        pm = meta.partitions[p] = PartitionMeta(
+            part.next_offset if part else 0, part.log_time_ms if part else 0
+        )
+        base_workers = self.base.partitions[p].workers if self.base and p in self.base.partitions else {}
+        export = fold.router.index.export_worker
+        blobs = []
+        for wid, wlog in fold.workers.items():
+            if wlog.partition != p:
+                continue
+            ref = None if wid in fold.dirty else getattr(base_workers.get(wid), "blob", None)
+            if ref is None:
+                blobs.append((wid, pack_worker(export(wid))))
+                fold.dirty.discard(wid)
+                ref = _PENDING
+            pm.workers[wid] = WorkerMeta(
+                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref
+            )
+        self._queue.put(("blobs", meta.gen, pm, blobs))
+
+    # -- writer thread ---------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if item[0] == "blobs":
+                    _, gen, pm, blobs = item
+                    for wid, blob in blobs:
+                        pm.workers[wid].blob = self.store.write_blob(wid, gen, blob)
+                else:
+                    meta = item[1]
+                    self.store.commit(meta, self.base.gen if self.base else 0)
+                    with self._committed:
+                        self.base = meta
+                        self._last_commit = time.monotonic()
+                        self._committed.notify_all()
+                    if self.metrics is not None:
+                        self.metrics.snapshot_committed(meta, time.monotonic() - self._started)
+                    log.info("snapshot committed", gen=meta.gen, blocks=meta.blocks())
+            except Exception as exc:  # keep the replica serving; the next snapshot retries
+                self.error = exc
+                log.exception("snapshot write failed")
+                with self._committed:
+                    self._committed.notify_all()
+
+    def wait_committed(self, gen: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._committed:
+            while self.base is None or self.base.gen < gen:
+                if self.error is not None:
+                    raise self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"snapshot generation {gen} not committed in {timeout}s")
+                self._committed.wait(left)
+
+    def close(self, final: bool = False) -> None:
+        """Finish the snapshot in progress (with ``final``, take one more of whatever
+        changed since, so that a clean restart replays nothing), then stop the writer."""
+        while self._meta is not None:
+            self.step()
+        if final and (self._records or self.fold.dirty):
+            self.snapshot_now()
+        self._queue.put(None)
+        self._writer.join()
+
+
+def restore_fold(
+    fold: LogFold, meta: SnapshotMeta, blobs: dict[int, bytes], partitions: set[int]
+) -> None:
+    """Load the given partitions of a verified snapshot into an empty fold."""
+    index = fold.router.index
+    for p in partitions:
+        pm = meta.partitions[p]
+        fold.restore_partition(p, pm.next_offset, pm.log_time_ms)
+        for wid, wm in pm.workers.items():
+            fold.restore_worker(
+                wid, WorkerLog(p, wm.epoch, wm.lease_ms, wm.last_seen_ms, dict(wm.last_ids))
+            )
+            index.import_worker(wid, unpack_worker(blobs[wid]))
