@@ -18,7 +18,9 @@ COMMANDS: dict[str, str] = {
     "topics": "kvstream.kafka.cli:topics",
     "demo": "kvstream.tools.demo:demo",
     "router": "kvstream.replica.cli:router",
+    "snapshot": "kvstream.replica.snapshot_cli:snapshot",
     "worker": "kvstream.worker.cli:worker",
+    "replay": "kvstream.tools.replay.cli:replay",
 }
 
 

@@ -15,6 +15,9 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
+    # Client libraries log every request at INFO; their failures still show as warnings.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

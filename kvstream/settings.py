@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import (
@@ -75,6 +75,22 @@ class ReplicaSettings(BaseModel):
     peer_url: str | None = None
 
 
+class WorkerSettings(BaseModel):
+    """How ``kvstream worker`` consolidates and publishes (DESIGN.md §2, §3)."""
+
+    #: ``dedup`` (one merged device residency) or ``passthrough`` (every tier).
+    mode: Literal["dedup", "passthrough"] = "dedup"
+    #: Routers keep a silent worker this long (log time); must outlast the heartbeat.
+    lease_ms: int = Field(10_000, ge=1)
+    heartbeat_s: float = Field(2.0, gt=0)
+    #: How long events wait to share a Kafka message.
+    linger_ms: float = Field(5.0, ge=0)
+    #: A full producer queue blocks the worker (``block``) or fails it (``fail``).
+    queue_full: Literal["block", "fail"] = "block"
+    #: Prometheus port; 0: none.
+    metrics_port: int = Field(0, ge=0, le=65535)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVSTREAM_", env_nested_delimiter="__", extra="forbid"
@@ -87,6 +103,7 @@ class Settings(BaseSettings):
     topics: TopicSettings = Field(default_factory=TopicSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"

@@ -40,6 +40,8 @@ def replica_options(settings: Settings) -> ReplicaOptions:
         ready_max_lag=r.ready_max_lag,
         tick_interval_s=r.tick_interval_s,
         peer_url=r.peer_url,
+        # Replicas of one deployment share the token, so a peer's is this one's.
+        peer_token=r.token,
     )
 
 

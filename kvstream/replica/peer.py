@@ -31,9 +31,13 @@ def stream_snapshot(store: SnapshotStore) -> Iterator[bytes]:
             yield _FRAME.pack(wid, len(blob)) + blob
 
 
-def fetch_peer_snapshot(base_url: str, store: SnapshotStore, timeout: float = 120.0) -> int:
-    """Copy the peer's newest snapshot into ``store``; returns its generation."""
-    with httpx.stream("GET", base_url.rstrip("/") + "/v1/snapshot", timeout=timeout) as resp:
+def fetch_peer_snapshot(
+    base_url: str, store: SnapshotStore, token: str | None = None, timeout: float = 120.0
+) -> int:
+    """Copy the peer's newest snapshot into ``store``; returns its generation. ``token``
+    is the peer's bearer token (replicas of one deployment share it)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.stream("GET", base_url.rstrip("/") + "/v1/snapshot", headers=headers, timeout=timeout) as resp:
         if resp.status_code != 200:
             raise SnapshotError(f"peer answered {resp.status_code}")
         buf = bytearray()

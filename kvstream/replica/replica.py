@@ -71,6 +71,8 @@ class ReplicaOptions:
     resync_min_interval_s: float = 10.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
+    #: Bearer token of the peer's HTTP API.
+    peer_token: str | None = None
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}")
 
 
@@ -102,10 +104,10 @@ class Replica:
         self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id}))
         self._lag: dict[int, int] = {}
         self._start_offsets: dict[int, int] = {}
-        self._watermarks_at = 0.0
+        self._watermarks_at = float("-inf")
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
-        self._last_tick = 0.0
+        self._last_tick = float("-inf")
         self.topic_id: str | None = None
         self.partition_count = 0
         self.started_at = time.monotonic()
@@ -223,7 +225,7 @@ class Replica:
 
         assert self.store is not None and self.options.peer_url
         try:
-            gen = fetch_peer_snapshot(self.options.peer_url, self.store)
+            gen = fetch_peer_snapshot(self.options.peer_url, self.store, self.options.peer_token)
             self._note(f"bootstrapped from peer {self.options.peer_url} (generation {gen})")
         except Exception as exc:  # any failure means: replay from the start instead
             self._note(f"peer bootstrap from {self.options.peer_url} failed: {exc}")

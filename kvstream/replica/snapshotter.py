@@ -58,6 +58,7 @@ class Snapshotter:
         self._records = 0
         self._last_commit = time.monotonic()
         self._meta: SnapshotMeta | None = None
+        self._last_gen = 0
         self._todo: list[int] = []
         self._started = 0.0
         self._forced = False
@@ -105,7 +106,9 @@ class Snapshotter:
         return gen
 
     def _begin(self) -> None:
-        gen = max(self.store.next_gen(), (self.base.gen + 1) if self.base else 1)
+        # The writer may not have committed the previous generation yet: count locally.
+        gen = max(self.store.next_gen(), (self.base.gen + 1) if self.base else 1, self._last_gen + 1)
+        self._last_gen = gen
         self._meta = SnapshotMeta(
             gen, self.topic, self.topic_id, self.partition_count, int(time.time() * 1000),
             counters=dict(self.fold.counters) | dict(self.fold.router.index.counters),

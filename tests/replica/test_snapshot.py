@@ -210,3 +210,33 @@ def test_unwritable_store_is_a_clear_error(tmp_path) -> None:
     f.write_text("x")
     with pytest.raises(SnapshotError, match="cannot open snapshot store"):
         SnapshotStore(f / "db")
+
+
+def test_snapshot_cli_inspect_and_verify(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from kvstream.replica.snapshot_cli import snapshot as snapshot_cmd
+
+    logs, _ = random_log(9)
+    fold = new_fold()
+    feed(fold, logs)
+    store, snap, gen = snapshot(tmp_path, fold)
+    snap.close()
+    store.close()
+    runner = CliRunner()
+    out = runner.invoke(snapshot_cmd, ["inspect", str(tmp_path / "snap"), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["generation"] == gen and doc["next_offsets"] == {str(p): len(r) for p, r in logs.items()}
+    assert doc["workers"] == len(fold.workers)
+    out = runner.invoke(snapshot_cmd, ["verify", str(tmp_path / "snap")])
+    assert out.exit_code == 0 and "ok" in out.output
+    store = SnapshotStore(tmp_path / "snap")
+    _damage(store, b"w")
+    store.close()
+    out = runner.invoke(snapshot_cmd, ["verify", str(tmp_path / "snap")])
+    assert out.exit_code == 1 and "BROKEN" in out.output
+    out = runner.invoke(snapshot_cmd, ["inspect", str(tmp_path / "snap")])
+    assert out.exit_code == 1 and "no valid snapshot" in out.output

@@ -10,6 +10,8 @@ use pyo3::types::PyList;
 use pyo3::ffi;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+mod index;
+
 /// Seed of the chained sequence hash (and of local hashes without LoRA).
 const CHAIN_SEED: u64 = 1337;
 
@@ -67,14 +69,14 @@ fn local_hashes_of(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
         .collect()
 }
 
-fn chain(parent: u64, local: u64) -> u64 {
+pub(crate) fn chain(parent: u64, local: u64) -> u64 {
     let mut pair = [0u8; 16];
     pair[..8].copy_from_slice(&parent.to_le_bytes());
     pair[8..].copy_from_slice(&local.to_le_bytes());
     xxh3_64_with_seed(&pair, CHAIN_SEED)
 }
 
-fn sequence_of(local: &[u64], parent: Option<u64>) -> Vec<u64> {
+pub(crate) fn sequence_of(local: &[u64], parent: Option<u64>) -> Vec<u64> {
     let mut out = Vec::with_capacity(local.len());
     let mut prev = parent;
     for &l in local {
@@ -121,5 +123,6 @@ fn sequence_hashes(local: Vec<u64>, parent: Option<u64>) -> Vec<u64> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
+    m.add_class::<index::IndexCore>()?;
     Ok(())
 }

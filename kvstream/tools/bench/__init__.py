@@ -12,6 +12,14 @@ from kvstream.cli import LazyGroup
 
 BENCHES: dict[str, str] = {
     "hashing": "kvstream.tools.bench.hashing:hashing_bench",
+    "index": "kvstream.tools.bench.index:index_bench",
+    "route": "kvstream.tools.bench.route:route_bench",
+    "codec": "kvstream.tools.bench.codec:codec_bench",
+    "publish": "kvstream.tools.bench.publish:publish_bench",
+    "offload": "kvstream.tools.bench.offload:offload_bench",
+    "pipeline": "kvstream.tools.bench.pipeline:pipeline_bench",
+    "restart": "kvstream.tools.bench.restart:restart_bench",
+    "http": "kvstream.tools.bench.http:http_bench",
 }
 
 

@@ -1,0 +1,444 @@
+//! Core of the tier indexes (DESIGN.md §4), called from kvstream/router/index.py, which
+//! names workers (slots), dispatches events and keeps the counters. This is the one
+//! implementation of the index rules; tests/router/reference.py is the plain model the
+//! property tests check it against.
+//!
+//! A block's position is its chained sequence hash, computed here from the parent's
+//! sequence hash. `owners` maps a position to, per tier, the bitmask of the worker slots
+//! holding it (one map per group of 64 slots; all tiers in one entry, so that matching
+//! costs one lookup per prompt position). Each slot has, per tier, a reverse map from its
+//! block hashes to positions, so that removing a block or a worker costs O(its blocks).
+//! A slot holds a position while at least one of its block hashes maps there; the rare
+//! second identity at one position (an alias) is counted in a side map.
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::{chain, sequence_of};
+
+/// Keys are hashes (or small engine ids): one splitmix64 finalizer spreads them well
+/// enough for the table and costs a few ns, against SipHash's tens.
+#[derive(Default)]
+struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x1000_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 ^= v;
+    }
+}
+
+type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
+
+const TIERS: usize = 4;
+/// Per tier, the bitmask of the slots (of one group of 64) holding a position.
+type Masks = [u64; TIERS];
+type Owners = Map<u64, Masks>;
+/// Prompt positions looked up at once while matching.
+const LOOKAHEAD: usize = 16;
+
+/// Outcome codes of `store` (kvstream/router/index.py maps them to counter reasons).
+const STORED: u8 = 0;
+const INVALID: u8 = 1;
+const PARENT_NOT_FOUND: u8 = 2;
+
+/// One tier's reverse maps.
+#[derive(Default)]
+struct Tier {
+    /// Per slot: block hash → position.
+    blocks: Vec<Map<u64, u64>>,
+    /// slot → {position: identities beyond the first}.
+    aliases: Map<u64, Map<u64, u32>>,
+}
+
+/// Clear `bit` from tier `t` of position `s`, dropping the entry when nothing is left.
+fn clear_bit(owners: &mut Owners, t: usize, bit: u64, s: u64) {
+    if let Some(m) = owners.get_mut(&s) {
+        m[t] &= !bit;
+        if m.iter().all(|&x| x == 0) {
+            owners.remove(&s);
+        }
+    }
+}
+
+/// Release one identity of `slot` at position `s` on tier `t`.
+fn release(owners: &mut Owners, aliases: &mut Map<u64, Map<u64, u32>>, t: usize, slot: usize, bit: u64, s: u64) {
+    if let Some(al) = aliases.get_mut(&(slot as u64)) {
+        if let Some(extra) = al.get_mut(&s) {
+            if *extra == 1 {
+                al.remove(&s);
+                if al.is_empty() {
+                    aliases.remove(&(slot as u64));
+                }
+            } else {
+                *extra -= 1;
+            }
+            return;
+        }
+    }
+    clear_bit(owners, t, bit, s);
+}
+
+impl Tier {
+    fn ensure(&mut self, slot: usize) {
+        if self.blocks.len() <= slot {
+            self.blocks.resize_with(slot + 1, Map::default);
+        }
+    }
+
+    fn store(&mut self, owners: &mut Owners, t: usize, slot: usize, parent: Option<u64>, hashes: &[u64], tokens: &[u64]) -> u8 {
+        let n = hashes.len();
+        if n == 0 || n != tokens.len() {
+            return INVALID;
+        }
+        // A store that repeats its own hashes or its parent is invalid.
+        if let Some(p) = parent {
+            if hashes.contains(&p) {
+                return INVALID;
+            }
+        }
+        if n > 1 {
+            let mut sorted = hashes.to_vec();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return INVALID;
+            }
+        }
+        self.ensure(slot);
+        let parent_seq = match parent {
+            None => None,
+            Some(p) => match self.blocks[slot].get(&p) {
+                Some(&s) => Some(s),
+                None => return PARENT_NOT_FOUND,
+            },
+        };
+        let seqs = sequence_of(tokens, parent_seq);
+        let bit = 1u64 << (slot % 64);
+        let blocks = &mut self.blocks[slot];
+        let aliases = &mut self.aliases;
+        for (&bh, &s) in hashes.iter().zip(&seqs) {
+            if let Some(old) = blocks.insert(bh, s) {
+                if old == s {
+                    continue; // stored again at the same position: nothing changes
+                }
+                release(owners, aliases, t, slot, bit, old); // the identity moved
+            }
+            let m = owners.entry(s).or_insert([0; TIERS]);
+            if m[t] & bit != 0 {
+                *aliases.entry(slot as u64).or_default().entry(s).or_insert(0) += 1;
+            } else {
+                m[t] |= bit;
+            }
+        }
+        STORED
+    }
+
+    fn remove(&mut self, owners: &mut Owners, t: usize, slot: usize, hashes: &[u64]) -> usize {
+        if slot >= self.blocks.len() || self.blocks[slot].is_empty() {
+            return hashes.len();
+        }
+        let bit = 1u64 << (slot % 64);
+        let blocks = &mut self.blocks[slot];
+        let mut unknown = 0;
+        for bh in hashes {
+            match blocks.remove(bh) {
+                None => unknown += 1,
+                Some(s) => release(owners, &mut self.aliases, t, slot, bit, s),
+            }
+        }
+        if blocks.is_empty() {
+            *blocks = Map::default(); // give the memory back
+        }
+        unknown
+    }
+
+    fn drop_slot(&mut self, owners: &mut Owners, t: usize, slot: usize) {
+        if slot >= self.blocks.len() {
+            return;
+        }
+        let bit = 1u64 << (slot % 64);
+        let blocks = std::mem::take(&mut self.blocks[slot]);
+        self.aliases.remove(&(slot as u64));
+        for &s in blocks.values() {
+            clear_bit(owners, t, bit, s);
+        }
+    }
+
+    /// Install a slot's blocks as exported (a snapshot); the slot must hold none here.
+    fn import(&mut self, owners: &mut Owners, t: usize, slot: usize, hashes: &[u64], seqs: &[u64]) -> Result<(), String> {
+        if hashes.len() != seqs.len() {
+            return Err(format!("{} block hashes but {} sequence hashes", hashes.len(), seqs.len()));
+        }
+        if self.size(slot) > 0 {
+            return Err(format!("slot {slot} already holds blocks"));
+        }
+        if hashes.is_empty() {
+            return Ok(());
+        }
+        let mut blocks: Map<u64, u64> = Map::default();
+        blocks.reserve(hashes.len());
+        blocks.extend(hashes.iter().copied().zip(seqs.iter().copied()));
+        if blocks.len() != hashes.len() {
+            return Err("exported block hashes repeat".to_string());
+        }
+        self.ensure(slot);
+        let bit = 1u64 << (slot % 64);
+        let mut aliases: Map<u64, u32> = Map::default();
+        for &s in seqs {
+            let m = owners.entry(s).or_insert([0; TIERS]);
+            if m[t] & bit != 0 {
+                *aliases.entry(s).or_insert(0) += 1;
+            } else {
+                m[t] |= bit;
+            }
+        }
+        if !aliases.is_empty() {
+            self.aliases.insert(slot as u64, aliases);
+        }
+        self.blocks[slot] = blocks;
+        Ok(())
+    }
+
+    fn size(&self, slot: usize) -> usize {
+        self.blocks.get(slot).map_or(0, |b| b.len())
+    }
+}
+
+/// hashbrown's footprint of a table: one control byte per bucket plus the entry;
+/// buckets ≈ capacity·8/7.
+fn table_bytes(cap: usize, entry: usize) -> usize {
+    cap * 8 / 7 * (entry + 1)
+}
+
+/// Every tier of every worker slot. Slots are small ints assigned by the Python side.
+#[pyclass(module = "kvstream._native")]
+pub struct IndexCore {
+    /// Per group of 64 slots: position → per-tier masks.
+    owners: Vec<Owners>,
+    tiers: [Tier; TIERS],
+    /// Per group of 64 slots: the slots in use.
+    known: Vec<u64>,
+}
+
+fn check_tier(tier: usize) -> PyResult<()> {
+    if tier >= TIERS {
+        return Err(PyValueError::new_err(format!("tier index {tier} out of range")));
+    }
+    Ok(())
+}
+
+impl IndexCore {
+    fn owners_of(&mut self, slot: usize) -> &mut Owners {
+        let group = slot / 64;
+        if self.owners.len() <= group {
+            self.owners.resize_with(group + 1, Owners::default);
+        }
+        &mut self.owners[group]
+    }
+}
+
+#[pymethods]
+impl IndexCore {
+    #[new]
+    fn new() -> Self {
+        IndexCore { owners: Vec::new(), tiers: Default::default(), known: Vec::new() }
+    }
+
+    /// Mark a slot in use (a candidate for matching).
+    fn add_slot(&mut self, slot: usize) {
+        let group = slot / 64;
+        if self.known.len() <= group {
+            self.known.resize(group + 1, 0);
+        }
+        self.known[group] |= 1u64 << (slot % 64);
+        self.owners_of(slot);
+    }
+
+    /// Forget every block of the slot on every tier and free it: O(its blocks).
+    fn remove_slot(&mut self, slot: usize) {
+        self.clear_slot(slot);
+        if let Some(k) = self.known.get_mut(slot / 64) {
+            *k &= !(1u64 << (slot % 64));
+        }
+    }
+
+    /// Forget every block of the slot on every tier; it stays in use.
+    fn clear_slot(&mut self, slot: usize) {
+        let Some(owners) = self.owners.get_mut(slot / 64) else { return };
+        for (t, tier) in self.tiers.iter_mut().enumerate() {
+            tier.drop_slot(owners, t, slot);
+        }
+    }
+
+    /// Apply a stored event: 0 stored, 1 invalid (repeats its hashes or its parent),
+    /// 2 parent not held by the slot on this tier. Nothing is applied unless 0.
+    #[pyo3(signature = (tier, slot, parent, block_hashes, tokens_hashes))]
+    fn store(
+        &mut self,
+        tier: usize,
+        slot: usize,
+        parent: Option<u64>,
+        block_hashes: Vec<u64>,
+        tokens_hashes: Vec<u64>,
+    ) -> PyResult<u8> {
+        check_tier(tier)?;
+        self.owners_of(slot);
+        let owners = &mut self.owners[slot / 64];
+        Ok(self.tiers[tier].store(owners, tier, slot, parent, &block_hashes, &tokens_hashes))
+    }
+
+    /// Apply a removed event; returns how many block hashes were not held (skipped).
+    fn remove(&mut self, tier: usize, slot: usize, block_hashes: Vec<u64>) -> PyResult<usize> {
+        check_tier(tier)?;
+        let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(block_hashes.len()) };
+        Ok(self.tiers[tier].remove(owners, tier, slot, &block_hashes))
+    }
+
+    fn size(&self, tier: usize, slot: usize) -> PyResult<usize> {
+        check_tier(tier)?;
+        Ok(self.tiers[tier].size(slot))
+    }
+
+    /// The slot's (block hashes, sequence hashes) on a tier, aligned (for snapshots).
+    fn export(&self, tier: usize, slot: usize) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        check_tier(tier)?;
+        Ok(self.tiers[tier]
+            .blocks
+            .get(slot)
+            .map(|b| b.iter().map(|(&k, &v)| (k, v)).unzip())
+            .unwrap_or_default())
+    }
+
+    /// Install a slot's blocks on a tier as `export` gave them; the slot must hold no
+    /// block on that tier. Nothing is installed on error.
+    fn import_blocks(
+        &mut self,
+        tier: usize,
+        slot: usize,
+        block_hashes: Vec<u64>,
+        seq_hashes: Vec<u64>,
+    ) -> PyResult<()> {
+        check_tier(tier)?;
+        self.owners_of(slot);
+        let owners = &mut self.owners[slot / 64];
+        self.tiers[tier]
+            .import(owners, tier, slot, &block_hashes, &seq_hashes)
+            .map_err(PyValueError::new_err)
+    }
+
+    /// Approximate bytes held by the hash tables.
+    fn heap_bytes(&self) -> usize {
+        let owners: usize = self.owners.iter().map(|m| table_bytes(m.capacity(), 8 + 8 * TIERS)).sum();
+        let tiers: usize = self
+            .tiers
+            .iter()
+            .map(|t| {
+                t.blocks.iter().map(|m| table_bytes(m.capacity(), 16)).sum::<usize>()
+                    + t.blocks.capacity() * std::mem::size_of::<Map<u64, u64>>()
+                    + t.aliases.values().map(|m| table_bytes(m.capacity(), 12)).sum::<usize>()
+            })
+            .sum();
+        owners + tiers
+    }
+
+    /// Per slot with any match: (slot, (device, host_pinned, disk, external)) block counts
+    /// for a prompt given by its sequence hashes (`chained`) or its local hashes (a list
+    /// of ints; the sequence hashes are then chained here, only as far as the walk goes).
+    /// Each slot extends its
+    /// prefix on the device tier, then continues on the next tiers in order from where it
+    /// stopped (starting on a lower tier at block 0 when it has no device match); a
+    /// block is credited once. All slots of a group advance together, one position (one
+    /// lookup) at a time, and the walk stops as soon as none extends, so the prompt's
+    /// hashes are read from the list only as far as some worker matches.
+    fn find_matches(&self, hashes: &Bound<'_, PyList>, chained: bool) -> PyResult<Vec<(usize, (u32, u32, u32, u32))>> {
+        let n = hashes.len();
+        let mut seqs: Vec<u64> = Vec::with_capacity(n);
+        let mut out = Vec::new();
+        for (group, &known) in self.known.iter().enumerate() {
+            if known == 0 || n == 0 {
+                continue;
+            }
+            let owners = &self.owners[group];
+            // on[t]: slots extending their prefix on tier t through the previous position.
+            let mut on: Masks = [known, 0, 0, 0];
+            let mut start = [0u32; 64];
+            let mut counts = [[0u32; TIERS]; 64];
+            let mut matched = 0u64;
+            let mut i = 0usize;
+            let mut batch: Vec<Masks> = Vec::with_capacity(LOOKAHEAD);
+            let mut batch_start = 0usize;
+            while i < n {
+                if i == batch_start + batch.len() {
+                    // Look up the next positions together: the loads are independent, so
+                    // their cache misses overlap instead of following one another.
+                    let end = (i + LOOKAHEAD).min(n);
+                    while seqs.len() < end {
+                        let h = hashes.get_item(seqs.len())?.extract::<u64>()?;
+                        seqs.push(match seqs.last() {
+                            Some(&prev) if !chained => chain(prev, h),
+                            _ => h, // a sequence hash, or the first block (seq = local)
+                        });
+                    }
+                    batch.clear();
+                    batch.extend(seqs[i..end].iter().map(|s| owners.get(s).copied().unwrap_or([0; TIERS])));
+                    batch_start = i;
+                }
+                let masks = batch[i - batch_start];
+                let mut moving = 0u64; // slots that stopped on the previous tier here
+                let mut alive = 0u64;
+                for t in 0..TIERS {
+                    let m = on[t] | moving;
+                    let held = masks[t] & m;
+                    let mut stopped = on[t] & !held;
+                    while stopped != 0 {
+                        let b = stopped.trailing_zeros() as usize;
+                        stopped &= stopped - 1;
+                        counts[b][t] = i as u32 - start[b];
+                    }
+                    let mut arrived = moving & held;
+                    while arrived != 0 {
+                        let b = arrived.trailing_zeros() as usize;
+                        arrived &= arrived - 1;
+                        start[b] = i as u32;
+                    }
+                    alive |= held;
+                    on[t] = held;
+                    moving = m & !held;
+                }
+                if alive == 0 {
+                    break;
+                }
+                matched |= alive;
+                i += 1;
+            }
+            for t in 0..TIERS {
+                let mut still = on[t];
+                while still != 0 {
+                    let b = still.trailing_zeros() as usize;
+                    still &= still - 1;
+                    counts[b][t] = i as u32 - start[b];
+                }
+            }
+            while matched != 0 {
+                let b = matched.trailing_zeros() as usize;
+                matched &= matched - 1;
+                let c = counts[b];
+                out.push((group * 64 + b, (c[0], c[1], c[2], c[3])));
+            }
+        }
+        Ok(out)
+    }
+}

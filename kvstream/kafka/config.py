@@ -1,0 +1,109 @@
+"""librdkafka client configurations built from :class:`kvstream.settings.Settings`.
+
+Order of precedence: kvstream's defaults < ``settings.kafka_options`` (passthrough for
+security.protocol, SASL, SSL, tuning) < the caller's ``overrides``. Keys that kvstream's
+correctness rests on cannot come from the passthrough. librdkafka keys contain dots, so
+overrides are passed as ``producer_config(settings, **{"linger.ms": 1})``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvstream.kafka.errors import KafkaConfigError
+from kvstream.kafka.local_broker import default_cluster_dir, local_bootstrap
+from kvstream.settings import Settings
+
+#: Set by kvstream itself; in ``kafka_options`` they would silently break delivery or replay.
+OWNED_KEYS = frozenset(
+    {
+        "bootstrap.servers",
+        "group.id",
+        "enable.idempotence",
+        "acks",
+        "enable.auto.commit",
+        "enable.auto.offset.store",
+        "auto.offset.reset",
+        "enable.partition.eof",
+    }
+)
+
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "compression.type": "lz4",
+    # A few ms of batching: many small event batches share one request.
+    "linger.ms": 5,
+    "batch.size": 1024 * 1024,
+    "batch.num.messages": 10_000,
+    # Bound the client's buffer (librdkafka's default is 1 GB).
+    "queue.buffering.max.kbytes": 256 * 1024,
+    # Same key → partition mapping as the Java clients, so any client agrees where a
+    # worker's events live.
+    "partitioner": "murmur2_random",
+}
+
+CONSUMER_DEFAULTS: dict[str, Any] = {
+    # A replica assigns partitions itself and keeps offsets in its snapshot (DESIGN.md §7):
+    # nothing is ever committed, and a missing offset is an error, never a silent jump.
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "auto.offset.reset": "error",
+    "enable.partition.eof": True,
+}
+
+
+def resolve_bootstrap(settings: Settings) -> str:
+    """``settings.bootstrap``, else the running local development broker's."""
+    if settings.bootstrap:
+        return settings.bootstrap
+    local = local_bootstrap()
+    if local is None:
+        raise KafkaConfigError(
+            "no Kafka bootstrap: set KVSTREAM_BOOTSTRAP (or --bootstrap), or start the local "
+            f"broker with `kvstream broker start` (none runs in {default_cluster_dir()})"
+        )
+    return local
+
+
+def _base(settings: Settings, client_id: str) -> dict[str, Any]:
+    owned = sorted(OWNED_KEYS & settings.kafka_options.keys())
+    if owned:
+        raise KafkaConfigError(
+            f"kafka_options may not set {', '.join(owned)}: kvstream sets "
+            "these itself (use `bootstrap` for the servers)"
+        )
+    return {"bootstrap.servers": resolve_bootstrap(settings), "client.id": client_id}
+
+
+def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    """Idempotent, acks=all, lz4 producer settings."""
+    return {
+        **_base(settings, "kvstream-producer"),
+        **PRODUCER_DEFAULTS,
+        **settings.kafka_options,
+        **overrides,
+    }
+
+
+def new_replica_group_id() -> str:
+    return f"kvstream-replica-{uuid.uuid4().hex}"
+
+
+def consumer_config(
+    settings: Settings, *, group_id: str | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """Settings for a replica's consumer: a unique group that never commits
+    (``group_id`` defaults to a fresh ``kvstream-replica-<uuid>``)."""
+    return {
+        **_base(settings, "kvstream-replica"),
+        "group.id": group_id or new_replica_group_id(),
+        **CONSUMER_DEFAULTS,
+        **settings.kafka_options,
+        **overrides,
+    }
+
+
+def admin_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    return {**_base(settings, "kvstream-admin"), **settings.kafka_options, **overrides}

@@ -1,0 +1,178 @@
+"""The in-process router (DESIGN.md §4–§6, §9): tier indexes + active sequences +
+scheduler behind one object. It knows nothing of Kafka: the replica feeds it router
+events (``apply_event``) and peers' active-sequence ops (``apply_active``)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from kvstream.events.model import RouterEvent
+from kvstream.hashing import DEFAULT_BLOCK_SIZE, TokenIds, block_hashes
+from kvstream.router.active import (
+    DEFAULT_TTL_S,
+    ActiveOp,
+    ActiveSequences,
+    AddRequest,
+    FreeRequest,
+    PrefillDone,
+)
+from kvstream.router.errors import DuplicateRequestError, UnknownWorkerError
+from kvstream.router.index import NO_OVERLAP, TieredIndex, TierOverlap, WorkerKey
+from kvstream.router.scheduler import (
+    Candidates,
+    CandidateScore,
+    Schedule,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOverrides,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: Active requests older than this are expired (§6).
+    request_ttl_s: float = DEFAULT_TTL_S
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """The chosen candidate and everything needed to explain the choice."""
+
+    worker: WorkerKey
+    request_id: str | None
+    #: Prompt length in tokens, and its full blocks.
+    isl: int
+    blocks: int
+    #: Every known candidate: inputs (per-tier overlaps, load), logit terms, chances.
+    schedule: Schedule
+    #: The active-sequence op this decision applied (None for query-only or anonymous
+    #: requests), for sharing with peer replicas.
+    op: AddRequest | None
+
+    @property
+    def candidates(self) -> tuple[CandidateScore, ...]:
+        return self.schedule.scores()
+
+    @property
+    def chosen(self) -> CandidateScore:
+        return self.candidates[self.schedule.chosen]
+
+    @property
+    def overlaps(self) -> dict[WorkerKey, TierOverlap]:
+        cands = self.schedule.candidates
+        return {w: TierOverlap(*o) for w, o in zip(cands.workers, cands.overlaps.tolist())}
+
+    @property
+    def logits(self) -> dict[WorkerKey, float]:
+        return dict(zip(self.schedule.candidates.workers, self.schedule.columns.logit.tolist()))
+
+
+class Router:
+    """KV-aware router over the workers that published events to it."""
+
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self.clock = clock
+        self.index = TieredIndex()
+        self.active = ActiveSequences(self.config.request_ttl_s, clock)
+        self.scheduler = Scheduler(self.config.scheduler, rng)
+
+    # -- state from the log ----------------------------------------------------------
+
+    def apply_event(self, event: RouterEvent) -> str | None:
+        """Apply a router event; returns the counter reason if it was rejected."""
+        return self.index.apply(event)
+
+    def apply_active(self, op: ActiveOp) -> None:
+        """Apply an active-sequence op (e.g. from a peer replica)."""
+        self.active.apply(op)
+
+    def workers(self) -> list[WorkerKey]:
+        return self.index.workers()
+
+    def remove_worker(self, worker_id: int) -> list[WorkerKey]:
+        """Forget a worker: its blocks on every tier and rank, and its active requests."""
+        if not self.index.knows(worker_id):
+            raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
+        self.active.remove_worker(worker_id)
+        return self.index.remove_worker(worker_id)
+
+    # -- requests --------------------------------------------------------------------
+
+    def find_best_match(
+        self,
+        token_ids: TokenIds,
+        lora_name: str | None = None,
+        request_id: str | None = None,
+        query_only: bool = False,
+        overrides: SchedulerOverrides | None = None,
+    ) -> RouteDecision:
+        """Choose a worker for a prompt. With a ``request_id`` and not ``query_only``,
+        the request is added to the active sequences (``decision.op``)."""
+        track = request_id is not None and not query_only
+        if track and request_id in self.active:
+            raise DuplicateRequestError(f"request {request_id!r} is already active")
+        now = self.clock()
+        active = self.active
+        active.expire(now)
+        block_size = self.config.block_size
+        local, seqs = block_hashes(token_ids, block_size, lora_name)
+        isl = len(token_ids)
+        overlaps = self.index.find_matches_by_tier(local, seqs)
+        get_overlap = overlaps.get
+        keys = tuple(self.index.workers())
+        n = len(keys)
+        flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
+        overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]
+        candidates = Candidates(
+            keys,
+            np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
+            np.fromiter(flat(active.loads_for(keys, seqs)), np.int64, 5 * n).reshape(n, 5),
+        )
+        schedule = self.scheduler.schedule(isl, block_size, candidates, overrides)
+        winner = keys[schedule.chosen]
+        op = None
+        if track:
+            assert request_id is not None
+            op = AddRequest(
+                request_id,
+                winner.worker_id,
+                winner.dp_rank,
+                isl,
+                int(schedule.columns.cached_tokens[schedule.chosen]),
+                tuple(seqs),
+                now,
+            )
+            active.apply(op)
+        return RouteDecision(winner, request_id, isl, len(seqs), schedule, op)
+
+    def prefill_done(self, request_id: str) -> PrefillDone:
+        """The request's first token came out; returns the op applied (to share)."""
+        op = PrefillDone(request_id, self.clock())
+        self.active.apply(op)
+        return op
+
+    def free(self, request_id: str) -> FreeRequest:
+        """The request finished or was cancelled; returns the op applied (to share)."""
+        op = FreeRequest(request_id, self.clock())
+        self.active.apply(op)
+        return op
+

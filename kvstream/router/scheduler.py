@@ -1,0 +1,354 @@
+"""Scheduling (DESIGN.md §5): the cost of sending a request to each candidate, and the
+choice among them.
+
+``worker_logit`` is the reference formula, term by term; lower wins. Temperature 0 takes
+the argmin (ties broken uniformly at random), temperature T > 0 samples with
+p ∝ exp(−(l − l_min) / ((l_max − l_min)·T)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import numpy as np
+
+from kvstream.router.errors import NoEligibleWorkerError, SchedulerConfigError
+from kvstream.router.index import TierOverlap, WorkerKey
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduling weights and filters (defaults are the reference's, §5)."""
+
+    overlap_score_credit: float = 1.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    prefill_load_scale: float = 1.0
+    decode_active_request_weight: float = 0.0
+    router_temperature: float = 0.0
+    #: A candidate whose active decode blocks exceed this is busy (None: no limit).
+    max_active_decode_blocks: int | None = None
+    #: A candidate whose active prefill tokens exceed this is busy (None: no limit).
+    max_active_prefill_tokens: int | None = None
+    #: Only these worker ids may be chosen (None: every known worker).
+    allowed_workers: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "allowed_workers":
+                if value is not None and not isinstance(value, frozenset):
+                    raise SchedulerConfigError(
+                        f"allowed_workers must be a frozenset of worker ids, got {value!r}"
+                    )
+            elif value is not None and not (
+                isinstance(value, int | float) and math.isfinite(value) and value >= 0
+            ):
+                raise SchedulerConfigError(
+                    f"{f.name} must be a finite number >= 0, got {value!r}"
+                )
+
+    def with_overrides(self, overrides: SchedulerOverrides | None) -> SchedulerConfig:
+        """This config with the fields that ``overrides`` sets replaced."""
+        if overrides is None:
+            return self
+        changes = {
+            f.name: getattr(overrides, f.name)
+            for f in fields(overrides)
+            if getattr(overrides, f.name) is not None
+        }
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOverrides:
+    """Per-request overrides of :class:`SchedulerConfig`; None keeps the global value."""
+
+    overlap_score_credit: float | None = None
+    host_cache_hit_weight: float | None = None
+    disk_cache_hit_weight: float | None = None
+    prefill_load_scale: float | None = None
+    decode_active_request_weight: float | None = None
+    router_temperature: float | None = None
+    max_active_decode_blocks: int | None = None
+    max_active_prefill_tokens: int | None = None
+    allowed_workers: frozenset[int] | None = None
+
+
+class Candidate(NamedTuple):
+    """What the scheduler knows of one candidate for one request."""
+
+    worker: WorkerKey
+    overlap: TierOverlap
+    #: False when the worker has no load entry (no active request): prefill = isl/B.
+    has_load: bool
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    active_requests: int
+    #: Blocks of this request that the worker does not already hold for running requests.
+    new_blocks: int
+
+
+class LogitTerms(NamedTuple):
+    """Every term of ``worker_logit`` for one candidate."""
+
+    credit: float
+    cached_tokens: int
+    prefill_blocks: float
+    prefill_cost: float
+    decode_blocks: int
+    request_cost: float
+    logit: float
+
+
+class CandidateScore(NamedTuple):
+    """One candidate, flat: its inputs, every term of worker_logit, and the selection
+    outcome (what explanations print)."""
+
+    worker: WorkerKey
+    overlap: TierOverlap
+    credit: float
+    cached_tokens: int
+    prefill_blocks: float
+    prefill_cost: float
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    new_blocks: int
+    decode_blocks: int
+    active_requests: int
+    request_cost: float
+    logit: float
+    #: Chance of being chosen (0 for excluded candidates).
+    probability: float
+    #: Why the candidate could not be chosen (not allowed, busy), else None.
+    excluded: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Every candidate for one request, as columns (the router scores all known workers
+    for every request: one numpy pass instead of a Python loop per worker)."""
+
+    workers: tuple[WorkerKey, ...]
+    #: (n, 4): device, host_pinned, disk, external blocks credited.
+    overlaps: np.ndarray
+    #: (n, 5): has load entry (0/1), active prefill tokens, active decode blocks,
+    #: active requests, new blocks.
+    loads: np.ndarray
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
+        n = len(rows)
+        return cls(
+            tuple(c[0] for c in rows),
+            np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 4),
+            np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
+        )
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, i: int) -> Candidate:
+        has_load, apt, adb, reqs, new = self.loads[i].tolist()
+        return Candidate(self.workers[i], TierOverlap(*self.overlaps[i].tolist()), bool(has_load), apt, adb, reqs, new)
+
+
+class LogitColumns(NamedTuple):
+    """Every term of ``worker_logit``, one array per term (one entry per candidate)."""
+
+    credit: np.ndarray
+    cached_tokens: np.ndarray
+    prefill_blocks: np.ndarray
+    prefill_cost: np.ndarray
+    decode_blocks: np.ndarray
+    request_cost: np.ndarray
+    logit: np.ndarray
+
+    def row(self, i: int) -> LogitTerms:
+        credit, cached, prefill, prefill_cost, decode, request_cost, logit = (
+            float(col[i]) for col in self
+        )
+        return LogitTerms(credit, int(cached), prefill, prefill_cost, int(decode), request_cost, logit)
+
+
+def worker_logits(
+    cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates
+) -> LogitColumns:
+    """The §5 formula, term by term, for every candidate at once."""
+    dev, host, disk, ext = c.overlaps.T
+    has_load, apt, adb, reqs, new_blocks = c.loads.T
+    credit = (
+        cfg.overlap_score_credit * dev
+        + cfg.host_cache_hit_weight * host
+        + cfg.disk_cache_hit_weight * (disk + ext)
+    )
+    # Round half away from zero (the reference's f64::round); credit >= 0.
+    cached = np.floor(credit * block_size + 0.5)
+    prefill = np.where(
+        has_load != 0,
+        (apt + np.maximum(isl - cached, 0) + cached) / block_size,
+        isl / block_size,
+    )
+    prefill_cost = cfg.prefill_load_scale * np.maximum(0.0, prefill - credit)
+    decode = adb + new_blocks
+    request_cost = cfg.decode_active_request_weight * reqs
+    logit = prefill_cost + decode + request_cost
+    return LogitColumns(credit, cached, prefill, prefill_cost, decode, request_cost, logit)
+
+
+def worker_logit(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate) -> LogitTerms:
+    """The §5 formula for one candidate, term by term."""
+    return worker_logits(cfg, isl, block_size, Candidates.from_rows([c])).row(0)
+
+
+def exclusion(cfg: SchedulerConfig, c: Candidate) -> str | None:
+    """Why a candidate may not take the request (filters of §5), or None."""
+    if cfg.allowed_workers is not None and c.worker.worker_id not in cfg.allowed_workers:
+        return "not in allowed_workers"
+    limit = cfg.max_active_decode_blocks
+    if limit is not None and c.active_decode_blocks > limit:
+        return f"busy: {c.active_decode_blocks} active decode blocks > {limit}"
+    limit = cfg.max_active_prefill_tokens
+    if limit is not None and c.active_prefill_tokens > limit:
+        return f"busy: {c.active_prefill_tokens} active prefill tokens > {limit}"
+    return None
+
+
+def probabilities(logits: Sequence[float], temperature: float) -> list[float]:
+    """Selection probabilities of §5 (temperature 0: uniform over the minima)."""
+    lo, hi = min(logits), max(logits)
+    if temperature == 0 or lo == hi:
+        ties = sum(1 for x in logits if x == lo)
+        return [1.0 / ties if x == lo else 0.0 for x in logits]
+    scale = (hi - lo) * temperature
+    weights = [math.exp(-(x - lo) / scale) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _draw(probs: Sequence[float], rng: random.Random) -> int:
+    r = rng.random()
+    acc = 0.0
+    last = 0
+    for i, p in enumerate(probs):
+        if p > 0:
+            acc += p
+            last = i
+            if r < acc:
+                return i
+    return last  # rounding left r just above the running sum
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The outcome of scheduling one request: everything needed to explain it."""
+
+    candidates: Candidates
+    columns: LogitColumns
+    probabilities: tuple[float, ...]
+    #: Per candidate, why it was excluded (None: eligible).
+    excluded: tuple[str | None, ...]
+    chosen: int
+    #: The configuration in force (global config with the request's overrides).
+    config: SchedulerConfig
+
+    @property
+    def terms(self) -> tuple[LogitTerms, ...]:
+        return tuple(self.columns.row(i) for i in range(len(self.candidates)))
+
+    def scores(self) -> tuple[CandidateScore, ...]:
+        """Every candidate, flat (built on demand: the hot path keeps columns)."""
+        out = []
+        for i, (t, p, x) in enumerate(zip(self.terms, self.probabilities, self.excluded)):
+            c = self.candidates[i]
+            out.append(
+                CandidateScore(
+                    c.worker,
+                    c.overlap,
+                    t.credit,
+                    t.cached_tokens,
+                    t.prefill_blocks,
+                    t.prefill_cost,
+                    c.active_prefill_tokens,
+                    c.active_decode_blocks,
+                    c.new_blocks,
+                    t.decode_blocks,
+                    c.active_requests,
+                    t.request_cost,
+                    t.logit,
+                    p,
+                    x,
+                )
+            )
+        return tuple(out)
+
+
+class Scheduler:
+    """Scores candidates and picks one. ``rng`` makes tie-breaks and sampling seedable."""
+
+    def __init__(self, config: SchedulerConfig | None = None, rng: random.Random | None = None):
+        self.config = config or SchedulerConfig()
+        self.rng = rng or random.Random()
+
+    def schedule(
+        self,
+        isl: int,
+        block_size: int,
+        candidates: Candidates | Sequence[Candidate],
+        overrides: SchedulerOverrides | None = None,
+    ) -> Schedule:
+        """Score every candidate and choose one.
+
+        Raises NoEligibleWorkerError (saying why) when none may take the request.
+        """
+        cfg = self.config.with_overrides(overrides)
+        if not len(candidates):
+            raise NoEligibleWorkerError("no workers known: none has published any event")
+        if not isinstance(candidates, Candidates):
+            candidates = Candidates.from_rows(candidates)
+        columns = worker_logits(cfg, isl, block_size, candidates)
+        n = len(candidates)
+        filtered = (
+            cfg.allowed_workers is not None
+            or cfg.max_active_decode_blocks is not None
+            or cfg.max_active_prefill_tokens is not None
+        )
+        if filtered:
+            rows = [candidates[i] for i in range(n)]
+            excluded = tuple(exclusion(cfg, c) for c in rows)
+            eligible = [i for i, r in enumerate(excluded) if r is None]
+            if not eligible:
+                raise NoEligibleWorkerError(_why_none(cfg, rows, excluded))
+            logits = columns.logit[eligible].tolist()
+        else:
+            excluded = (None,) * n
+            eligible = range(n)
+            logits = columns.logit.tolist()
+        probs = probabilities(logits, cfg.router_temperature)
+        chosen = eligible[_draw(probs, self.rng)]
+        all_probs = [0.0] * n
+        for i, p in zip(eligible, probs):
+            all_probs[i] = p
+        return Schedule(candidates, columns, tuple(all_probs), excluded, chosen, cfg)
+
+
+def _why_none(
+    cfg: SchedulerConfig, candidates: Sequence[Candidate], reasons: Sequence[str | None]
+) -> str:
+    if cfg.allowed_workers is not None and all(
+        c.worker.worker_id not in cfg.allowed_workers for c in candidates
+    ):
+        known = sorted({c.worker.worker_id for c in candidates})
+        return (
+            f"none of the allowed workers {sorted(cfg.allowed_workers)} is known "
+            f"(known: {known})"
+        )
+    detail = "; ".join(
+        f"{c.worker.worker_id}/{c.worker.dp_rank}: {r}" for c, r in zip(candidates, reasons)
+    )
+    return f"all {len(candidates)} candidates are excluded: {detail}"

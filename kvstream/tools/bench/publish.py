@@ -1,0 +1,250 @@
+"""``kvstream bench publish``: block events per second from the ZMQ bridge's input (engine
+frames) to acknowledged Kafka writes, against raw confluent-kafka produce of the very
+same Kafka messages (pre-encoded bytes) in the same run."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+import msgpack
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from kvstream.events.codec import EventCodec
+from kvstream.events.model import Removed, Stored, Tier
+from kvstream.kafka.config import admin_config, consumer_config, producer_config
+from kvstream.kafka.errors import BrokerError
+from kvstream.kafka.local_broker import start_local_cluster, stop_local_cluster
+from kvstream.kafka.topics import ensure_topics
+from kvstream.settings import Settings, TopicSettings
+from kvstream.tools.bench.common import emit, json_option
+from kvstream.worker.consolidator import Consolidator, Mode
+from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
+from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
+
+WORKER_ID = 1
+
+
+def engine_frames(messages: int, blocks: int, block_size: int, capacity: int, seed: int) -> tuple[list[list[bytes]], int]:
+    """vLLM-format engine messages: each stores one new prompt of ``blocks`` blocks and,
+    once ``capacity`` blocks are held, first evicts the oldest prompt (as an engine at
+    steady state does). Returns the frames and the number of block events in them."""
+    rng = random.Random(seed)
+    held: list[list[int]] = []
+    frames = []
+    block_events = 0
+    for seq in range(messages):
+        events: list[list[object]] = []
+        if (len(held) + 1) * blocks > capacity:
+            evicted = held.pop(0)
+            events.append(["BlockRemoved", evicted[::-1], "GPU"])
+            block_events += len(evicted)
+        # Engine hashes are i64 on the wire, half of them negative.
+        hashes = [rng.getrandbits(64) - (1 << 63) for _ in range(blocks)]
+        tokens = [rng.randrange(152_064) for _ in range(blocks * block_size)]
+        events.append(["BlockStored", hashes, None, tokens, block_size, None, "GPU", None])
+        block_events += blocks
+        held.append(hashes)
+        payload = msgpack.packb([time.time(), events, 0])
+        frames.append([b"", seq.to_bytes(8, "big"), payload])
+    return frames, block_events
+
+
+class _CountingWriter:
+    """Takes router events and only counts their blocks: the pipeline without Kafka."""
+
+    def __init__(self) -> None:
+        self.blocks = 0
+
+    def stored(
+        self, dp_rank: int, tier: Tier, parent_hash: int | None, block_hashes: list[int], tokens_hashes: list[int]
+    ) -> None:
+        self.blocks += len(block_hashes)
+
+    def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None:
+        self.blocks += len(block_hashes)
+
+    def cleared(self, dp_rank: int) -> None:
+        return None
+
+
+@contextmanager
+def _broker(bootstrap: str | None) -> Iterator[str]:
+    if bootstrap:
+        yield bootstrap
+        return
+    cluster_dir = tempfile.mkdtemp(prefix="kvstream-bench-kafka-")
+    click.echo("starting a local Kafka broker...", err=True)
+    try:
+        # owner_pid: the broker stops itself should this process die without cleaning up.
+        cluster = start_local_cluster(1, cluster_dir, owner_pid=os.getpid())
+    except BrokerError as exc:
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+        raise click.ClickException(f"cannot start the local broker (or pass --bootstrap): {exc}") from None
+    try:
+        yield cluster.bootstrap
+    finally:
+        stop_local_cluster(cluster_dir)
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def _read_values(settings: Settings, topic: str) -> list[bytes]:
+    """Every record value of ``topic``, in order per partition."""
+    consumer = Consumer(consumer_config(settings))
+    try:
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        values: list[bytes] = []
+        at_end: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(at_end) < len(parts) and time.monotonic() < deadline:
+            for msg in consumer.consume(1000, timeout=0.5):
+                err = msg.error()
+                if err is None:
+                    values.append(msg.value())
+                elif err.code() == KafkaError._PARTITION_EOF:
+                    at_end.add(msg.partition())
+        return values
+    finally:
+        consumer.close()
+
+
+@click.command("publish")
+@click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka to use; default: start a local broker for the run.")
+@click.option("--messages", default=10_000, show_default=True, help="Engine messages (one BlockStored each).")
+@click.option("--blocks", default=16, show_default=True, help="Blocks per BlockStored.")
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--capacity", default=50_000, show_default=True, help="Blocks the engine holds before it evicts.")
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.DEDUP.value, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@json_option
+def publish_bench(
+    bootstrap: str | None,
+    messages: int,
+    blocks: int,
+    block_size: int,
+    capacity: int,
+    mode: str,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Engine frames → ZmqEngineBridge.handle_frames → Consolidator → KafkaPublisher →
+    acknowledged by Kafka (the clock stops when flush() returns with nothing left). The
+    baseline produces the same Kafka messages, already encoded, with the same producer
+    settings and waits for them the same way."""
+    frames, block_events = engine_frames(messages, blocks, block_size, capacity, seed)
+    with _broker(bootstrap) as servers:
+        settings = Settings(bootstrap=servers, topics=TopicSettings(prefix=f"bench.{uuid.uuid4().hex[:12]}."))
+        ensure_topics(settings)
+        try:
+            result = _run(settings, frames, block_events, Mode(mode))
+        finally:
+            admin = AdminClient(admin_config(settings))
+            names = [n for n in admin.list_topics(timeout=30).topics if n.startswith(settings.topics.prefix)]
+            for future in admin.delete_topics(names, request_timeout=30).values():
+                future.result(timeout=30)
+    emit(
+        {
+            "bench": "publish",
+            "messages": messages,
+            "blocks_per_event": blocks,
+            "block_size": block_size,
+            "mode": mode,
+            "block_events": block_events,
+            **result,
+        },
+        as_json,
+    )
+
+
+def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode: Mode) -> dict[str, object]:
+    # Without Kafka: parsing, hashing and consolidation alone.
+    counter = _CountingWriter()
+    bridge = ZmqEngineBridge(BridgeOptions(endpoint="inproc://unused"), Consolidator(counter, mode))
+    t0 = time.perf_counter()
+    for f in frames:
+        bridge.handle_frames(f)
+    no_kafka_s = time.perf_counter() - t0
+    if counter.blocks != block_events:
+        raise click.ClickException(f"pipeline without Kafka saw {counter.blocks} block events, expected {block_events}")
+
+    publisher = KafkaPublisher(settings, PublisherOptions(worker_id=WORKER_ID, listen_control=False))
+    consolidator = Consolidator(publisher, mode)
+    bridge = ZmqEngineBridge(BridgeOptions(endpoint="inproc://unused"), consolidator)
+    try:
+        if publisher.flush(60):  # warm: connection, metadata, the epoch's first batch
+            raise click.ClickException("Kafka did not acknowledge the first batch")
+        acked_before = publisher.stats.acked_blocks
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        for i, f in enumerate(frames):
+            bridge.handle_frames(f)
+            if i % 64 == 63:
+                publisher.poll(consolidator)
+        left = publisher.flush(120)
+        ours_s = time.perf_counter() - t0
+        # CPU of the whole process (librdkafka's threads included): on a shared machine
+        # wall time also counts other processes' turns.
+        ours_cpu_s = time.process_time() - cpu0
+        stats = publisher.stats
+    finally:
+        publisher.close()
+    acked = stats.acked_blocks - acked_before
+    if left or stats.delivery_failures or acked != block_events:
+        raise click.ClickException(
+            f"{left} batches unacknowledged, {stats.delivery_failures} failed, {acked} of {block_events} block events acknowledged"
+        )
+
+    # Check what is on the log, and take the exact messages for the baseline.
+    events_topic = settings.topics.name("events")
+    values = _read_values(settings, events_topic)[1:]  # minus the warm-up batch
+    codec = EventCodec()
+    on_log = sum(
+        len(ev.block_hashes) for v in values for ev in codec.decode(v).events if isinstance(ev, Stored | Removed)
+    )
+    if on_log != block_events:
+        raise click.ClickException(f"the log holds {on_log} block events, expected {block_events}")
+
+    base_topic = settings.topics.name("control")  # an existing topic with no other traffic now
+    producer = Producer(producer_config(settings, **{"client.id": "kvstream-bench-baseline"}))
+    producer.produce(base_topic, value=values[0], key=WORKER_ID.to_bytes(8, "big"))
+    if producer.flush(60):
+        raise click.ClickException("Kafka did not acknowledge the baseline's warm-up message")
+    key = WORKER_ID.to_bytes(8, "big")
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for v in values:
+        while True:
+            try:
+                producer.produce(base_topic, value=v, key=key)
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    if producer.flush(120):
+        raise click.ClickException("baseline messages unacknowledged")
+    base_s = time.perf_counter() - t0
+    base_cpu_s = time.process_time() - cpu0
+
+    ours = block_events / ours_s
+    base = block_events / base_s
+    return {
+        "kafka_messages": len(values),
+        "events_per_message": round(stats.events / max(stats.batches, 1), 2),
+        "bytes_per_message": round(sum(map(len, values)) / len(values), 1),
+        "seconds": round(ours_s, 3),
+        "blocks_per_s": round(ours),
+        "baseline_seconds": round(base_s, 3),
+        "baseline_blocks_per_s": round(base),
+        "ratio_to_baseline": round(ours / base, 3),
+        "cpu_seconds": round(ours_cpu_s, 3),
+        "baseline_cpu_seconds": round(base_cpu_s, 3),
+        "blocks_per_cpu_s": round(block_events / ours_cpu_s),
+        "no_kafka_blocks_per_s": round(block_events / no_kafka_s),
+    }

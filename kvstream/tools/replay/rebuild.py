@@ -1,0 +1,191 @@
+"""``replay rebuild``: the index exactly as a replica had it at a time T.
+
+A replica's state is the fold of each partition's prefix; as of T that prefix ends at
+the first record stamped after T (kvstream.tools.replay.reader). The fold starts from
+the newest snapshot of ``--snapshot-dir`` that is not past T (each partition's stored
+next offset within the prefix), else from the start of the log, and is the replica's
+own :class:`~kvstream.replica.fold.LogFold`, so the result is the replica's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstream.events.codec import EventCodec
+from kvstream.events.model import EventBatch, Tier
+from kvstream.replica.cli import router_config
+from kvstream.replica.errors import SnapshotError
+from kvstream.replica.fold import LogFold
+from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore
+from kvstream.replica.snapshotter import Snapshotter, restore_fold
+from kvstream.router import Router
+from kvstream.settings import Settings
+from kvstream.tools.replay.errors import RetentionError, SourceError
+from kvstream.tools.replay.reader import LogReader, Record, format_time
+
+
+def new_fold(settings: Settings, at_s: float, decode: Callable[[bytes], EventBatch] | None = None) -> LogFold:
+    """An empty fold with the settings' router, whose clock stands still at ``at_s`` (so
+    that request expiry is evaluated as of the replayed time)."""
+    return LogFold(Router(router_config(settings), clock=lambda: at_s), decode or EventCodec().decode)
+
+
+def fold_records(fold: LogFold, records: Iterable[Record]) -> int:
+    """Apply records in order; returns how many."""
+    n = 0
+    apply = fold.apply_record
+    for r in records:
+        apply(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick)
+        n += 1
+    return n
+
+
+@dataclass(slots=True)
+class Rebuilt:
+    """A fold as of ``at_ms`` and where it came from."""
+
+    fold: LogFold
+    at_ms: int
+    #: "snapshot generation N of DIR" or "start of the log".
+    source: str
+    #: Per partition, the first offset not folded (the prefix end of T).
+    end_offsets: dict[int, int]
+    records: int
+    partition_count: int
+    topic: str
+    notes: list[str] = field(default_factory=list)
+
+
+def open_store(path: Path) -> SnapshotStore:
+    if not path.is_dir():
+        raise SourceError(f"snapshot directory {path} does not exist")
+    try:
+        return SnapshotStore(path)
+    except SnapshotError as exc:
+        raise SourceError(f"{exc} (a running replica locks it: read a copy)") from None
+
+
+def _usable_snapshot(
+    store: SnapshotStore, reader: LogReader, end: dict[int, int], notes: list[str]
+) -> tuple[SnapshotMeta, dict[int, bytes]] | None:
+    """The newest generation whose every partition stops within the prefix of T."""
+    head = store.head()
+    if head is None:
+        raise SourceError(f"{store.path} holds no committed snapshot")
+    readable = 0
+    for gen in head:
+        if not gen:
+            continue
+        try:
+            meta, blobs = store.load(gen)
+        except SnapshotError as exc:
+            notes.append(f"snapshot generation {gen} unreadable: {exc}")
+            continue
+        readable += 1
+        if meta.topic != reader.topic:
+            notes.append(f"snapshot generation {gen} is of topic {meta.topic}, not {reader.topic}")
+            continue
+        late = [
+            p for p, pm in meta.partitions.items()
+            if p not in end or not reader.low[p] <= pm.next_offset <= end[p]
+        ]
+        if late:
+            notes.append(
+                f"snapshot generation {gen} is past the asked time (or outside retention) on "
+                f"partition(s) {late}"
+            )
+            continue
+        return meta, blobs
+    if not readable:
+        raise SourceError(f"no readable snapshot in {store.path}: {'; '.join(notes)}")
+    return None
+
+
+def rebuild_at(
+    settings: Settings,
+    at_ms: int,
+    snapshot_dir: Path | None = None,
+    *,
+    progress: bool | None = None,
+    decode: Callable[[bytes], EventBatch] | None = None,
+) -> Rebuilt:
+    """Fold the events topic up to ``at_ms`` (inclusive)."""
+    with LogReader(settings, "events") as reader:
+        end = reader.offsets_after(at_ms)
+        notes: list[str] = []
+        fold = new_fold(settings, at_ms / 1000, decode)
+        start = {p: 0 for p in reader.partitions}
+        source = "start of the log"
+        if snapshot_dir is not None:
+            store = open_store(snapshot_dir)
+            try:
+                picked = _usable_snapshot(store, reader, end, notes)
+            finally:
+                store.close()
+            if picked is not None:
+                meta, blobs = picked
+                restore_fold(fold, meta, blobs, set(meta.partitions))
+                start.update(meta.next_offsets())
+                source = f"snapshot generation {meta.gen} of {snapshot_dir}"
+        lost = [p for p in reader.partitions if start[p] < reader.low[p]]
+        if lost:
+            before = all(end[p] == reader.low[p] for p in lost)
+            raise RetentionError(
+                (f"{format_time(at_ms)} is before the retention horizon of {reader.topic}"
+                 if before else
+                 f"the start of {reader.topic} was deleted by retention")
+                + f" (partition(s) {lost} keep offsets from "
+                + ", ".join(str(reader.low[p]) for p in lost)
+                + "): the state cannot be rebuilt from the log alone; pass --snapshot-dir "
+                "with a snapshot taken before that time"
+            )
+        n = fold_records(fold, reader.read(start, end, progress=progress, desc="rebuild"))
+        # The prefix may end on records that carry no data (transaction markers), and a
+        # partition may have nothing to read: the fold must still resume at the end.
+        for p, e in end.items():
+            part = fold.partitions.get(p)
+            if (part.next_offset if part else 0) < e:
+                fold.restore_partition(p, e, part.log_time_ms if part else 0)
+        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, notes)
+
+
+def summary(fold: LogFold) -> list[dict[str, Any]]:
+    """One row per (worker, dp_rank): blocks per tier, and the worker's epoch, partition,
+    last event id of the rank, last seen (log time)."""
+    rows = []
+    sizes = fold.router.index.tree_sizes()
+    for key in sorted(sizes):
+        wlog = fold.workers.get(key.worker_id)
+        rows.append(
+            {
+                "worker_id": key.worker_id,
+                "dp_rank": key.dp_rank,
+                **{t.value: sizes[key].get(t, 0) for t in Tier},
+                "epoch": wlog.epoch if wlog else None,
+                "partition": wlog.partition if wlog else None,
+                "last_event_id": wlog.last_ids.get(key.dp_rank) if wlog else None,
+                "last_seen": format_time(wlog.last_seen_ms) if wlog else None,
+            }
+        )
+    return rows
+
+
+def write_snapshot(rebuilt: Rebuilt, path: Path) -> int:
+    """Write the rebuilt state as a snapshot generation a replica can start from."""
+    try:
+        store = SnapshotStore(path)
+    except SnapshotError as exc:
+        raise SourceError(str(exc)) from None
+    try:
+        if store.head() is not None:
+            raise SourceError(f"{path} already holds snapshots: write into a new directory")
+        snap = Snapshotter(store, rebuilt.fold, rebuilt.topic, None, rebuilt.partition_count, 0, 0)
+        try:
+            return snap.snapshot_now()
+        finally:
+            snap.close()
+    finally:
+        store.close()

@@ -1,0 +1,520 @@
+"""Publisher (DESIGN.md §2, §7): router events → Avro batches on ``kvstream.events``.
+
+- One publisher incarnation = one epoch: a u64 taken from the wall clock in ns, and
+  strictly greater than the previous one of this process (a resync starts a new one).
+  Every epoch starts with ``cleared``.
+- Event ids are strictly increasing per (worker, dp_rank) within an epoch, from 1.
+- A ``stored`` that continues the previous ``stored`` (same rank and tier, its parent is
+  that event's last block) is merged into it, and so are consecutive ``removed``;
+  events then wait up to ``linger_ms`` (or until a batch is full) to share one Kafka
+  message, i.e. one :class:`~kvstream.events.model.EventBatch`.
+- Key: the worker id as 8 bytes big-endian, so that all of a worker's records land on
+  one partition, in order.
+- The producer is idempotent with ``acks=all`` and compression
+  (:func:`kvstream.kafka.config.producer_config`). Its queue is bounded; when full, the
+  publisher blocks (up to ``block_timeout_s``) or fails at once, by configuration, and
+  never drops a batch. A batch that Kafka finally fails to take (after librdkafka's own
+  retries) is counted and then *retried as a resync*: resending the same batch would
+  break the order (later ids may already be written, and readers drop stale ids), so
+  the publisher starts a new epoch and publishes its full state again.
+- Heartbeats: an empty batch when nothing was sent for ``heartbeat_s``.
+- Resync: a :class:`ResyncRequest` on ``kvstream.control`` naming this worker (or every
+  worker) makes the next :meth:`KafkaPublisher.poll` publish ``cleared`` and the full
+  state of its :class:`~kvstream.worker.consolidator.StateSource` under a new epoch.
+
+Single-threaded: the worker loop calls the writer methods, :meth:`~KafkaPublisher.poll`,
+:meth:`~KafkaPublisher.flush` and :meth:`~KafkaPublisher.close` from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from kvstream.events.codec import AvroCodec, EventCodec
+from kvstream.events.errors import EventError
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.kafka.config import consumer_config, producer_config
+from kvstream.logs import get_logger
+from kvstream.settings import Settings
+from kvstream.worker.consolidator import StateSource
+from kvstream.worker.errors import (
+    ControlTopicError,
+    PublisherClosedError,
+    PublisherQueueFullError,
+)
+
+log = get_logger(__name__)
+
+_U64 = (1 << 64) - 1
+RESYNC_RECORD = "kvstream.control.ResyncRequest"
+_LEADER_NOT_READY = frozenset(
+    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+)
+
+
+class QueueFull(str, Enum):
+    """What a full producer queue does to the caller."""
+
+    BLOCK = "block"  # wait for room (up to block_timeout_s), then fail
+    FAIL = "fail"  # fail at once
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherOptions:
+    worker_id: int
+    #: Routers keep the worker this long (log time) after its last batch.
+    lease_ms: int = 10_000
+    #: An empty batch goes out when nothing else did for this long.
+    heartbeat_s: float = 2.0
+    #: Events wait at most this long to share a Kafka message.
+    linger_ms: float = 5.0
+    max_batch_events: int = 512
+    #: Blocks per message; 16 bytes each on the wire, so 4096 is ~64 KiB.
+    max_batch_blocks: int = 4096
+    queue_full: QueueFull = QueueFull.BLOCK
+    block_timeout_s: float = 30.0
+    #: Messages the producer may hold unacknowledged (librdkafka's local queue).
+    queue_max_messages: int = 100_000
+    #: Least time between two resyncs caused by delivery failures.
+    resync_backoff_s: float = 1.0
+    #: Answer resync requests from ``kvstream.control``.
+    listen_control: bool = True
+    #: Extra librdkafka producer settings (after kvstream's).
+    producer_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker_id <= _U64:
+            raise ValueError(f"worker_id {self.worker_id} is not a u64")
+        if self.max_batch_events < 1 or self.max_batch_blocks < 1:
+            raise ValueError("max_batch_events and max_batch_blocks must be positive")
+        if self.heartbeat_s <= 0 or self.linger_ms < 0:
+            raise ValueError("heartbeat_s must be positive and linger_ms >= 0")
+        if self.lease_ms <= self.heartbeat_s * 1000:
+            # Routers would drop the worker between two heartbeats.
+            raise ValueError(
+                f"lease_ms ({self.lease_ms}) must be longer than the heartbeat interval "
+                f"({self.heartbeat_s * 1000:.0f} ms)"
+            )
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    batches: int = 0  # handed to the producer (heartbeats included)
+    heartbeats: int = 0
+    events: int = 0  # router events handed to the producer
+    blocks: int = 0  # block hashes in those events
+    acked_batches: int = 0
+    acked_events: int = 0
+    acked_blocks: int = 0
+    delivery_failures: int = 0
+    queue_full_waits: int = 0
+    resyncs: int = 0
+    resync_requests: int = 0  # requests for this worker read from kvstream.control
+    control_errors: int = 0  # undecodable control records
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncRequest:
+    """Asks ``worker_id`` (None: every worker) to republish its full state."""
+
+    worker_id: int | None
+    requester: str
+    reason: str
+    requested_at_ms: int
+
+    def to_record(self) -> dict[str, Any]:
+        wid = self.worker_id
+        return {
+            "worker_id": None if wid is None else (wid - (1 << 64) if wid >= 1 << 63 else wid),
+            "requester": self.requester,
+            "reason": self.reason,
+            "requested_at_ms": self.requested_at_ms,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ResyncRequest:
+        wid = record["worker_id"]
+        return cls(
+            worker_id=None if wid is None else wid & _U64,
+            requester=record["requester"],
+            reason=record["reason"],
+            requested_at_ms=record["requested_at_ms"],
+        )
+
+
+def send_resync_request(settings: Settings, request: ResyncRequest, timeout_s: float = 30.0) -> None:
+    """Publish ``request`` on the control topic and wait until Kafka has it."""
+    producer = Producer(producer_config(settings, **{"client.id": "kvstream-resync", "linger.ms": 0}))
+    errors: list[KafkaError] = []
+    producer.produce(
+        settings.topics.name("control"),
+        value=AvroCodec().encode(RESYNC_RECORD, request.to_record()),
+        on_delivery=lambda err, _msg: errors.append(err) if err else None,
+    )
+    left = producer.flush(timeout_s)
+    if left or errors:
+        raise ControlTopicError(f"resync request not delivered: {errors[0] if errors else 'timed out'}")
+
+
+class ControlListener:
+    """Reads ``kvstream.control`` from its end (requests older than the worker do not
+    concern this incarnation) and returns the resync requests for ``worker_id``."""
+
+    def __init__(self, settings: Settings, worker_id: int, codec: AvroCodec, timeout_s: float = 30.0) -> None:
+        self._worker_id = worker_id
+        self._codec = codec
+        topic = settings.topics.name("control")
+        self._consumer = Consumer(
+            consumer_config(
+                settings,
+                # Never joins a group (partitions are assigned), never commits: unique.
+                group_id=f"kvstream-worker-{worker_id}-{uuid.uuid4().hex}",
+                **{"client.id": f"kvstream-worker-{worker_id}"},
+            )
+        )
+        try:
+            md = self._consumer.list_topics(topic, timeout=timeout_s)
+            meta = md.topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise ControlTopicError(
+                    f"control topic {topic} does not exist (create it with `kvstream topics`)"
+                )
+            deadline = time.monotonic() + timeout_s
+            # Start at the current end, resolved now, so that a request published after
+            # this constructor returns is never missed.
+            assignment = [
+                TopicPartition(topic, p, self._end_offset(TopicPartition(topic, p), deadline))
+                for p in sorted(meta.partitions)
+            ]
+            self._consumer.assign(assignment)
+        except KafkaException as exc:
+            self._consumer.close()
+            raise ControlTopicError(f"cannot read control topic {topic}: {exc.args[0]}") from exc
+        except ControlTopicError:
+            self._consumer.close()
+            raise
+        self.errors = 0
+
+    def _end_offset(self, tp: TopicPartition, deadline: float) -> int:
+        while True:
+            try:
+                return self._consumer.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))[1]
+            except KafkaException as exc:
+                # A topic created a moment ago may not have its leader yet (librdkafka
+                # does not flag these as retriable here).
+                err = exc.args[0]
+                transient = err.retriable() or err.code() in _LEADER_NOT_READY
+                if not transient or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def poll(self) -> list[ResyncRequest]:
+        out: list[ResyncRequest] = []
+        for msg in self._consumer.consume(num_messages=64, timeout=0):
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    self.errors += 1
+                    log.warning("control_read_error", error=err.str())
+                continue
+            try:
+                name, record = self._codec.decode(msg.value())
+                if name != RESYNC_RECORD:
+                    continue  # another kind of control record: not for workers
+                request = ResyncRequest.from_record(record)
+            except (EventError, KeyError, TypeError) as exc:
+                self.errors += 1
+                log.warning("control_record_undecodable", offset=msg.offset(), error=str(exc))
+                continue
+            if request.worker_id is None or request.worker_id == self._worker_id:
+                out.append(request)
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class _Pending:
+    """An event being built: merged with its successors until the batch is cut."""
+
+    __slots__ = ("kind", "rank", "tier", "parent", "hashes", "tokens")
+
+    def __init__(self, kind: type[RouterEvent], rank: int, tier: Tier, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
+        self.kind = kind
+        self.rank = rank
+        self.tier = tier
+        self.parent = parent
+        self.hashes = hashes
+        self.tokens = tokens
+
+
+class KafkaPublisher:
+    """A :class:`~kvstream.worker.consolidator.RouterEventWriter` that publishes on
+    Kafka. Construction starts the first epoch (its ``cleared`` goes out with the first
+    batch); :meth:`close` flushes and releases the clients."""
+
+    def __init__(self, settings: Settings, options: PublisherOptions, *, codec: EventCodec | None = None) -> None:
+        self.options = options
+        self.worker_id = options.worker_id
+        self._codec = codec or EventCodec()
+        self._topic = settings.topics.name("events")
+        self._key = options.worker_id.to_bytes(8, "big")
+        self._producer = Producer(
+            producer_config(
+                settings,
+                **{
+                    "client.id": f"kvstream-worker-{options.worker_id}",
+                    "queue.buffering.max.messages": options.queue_max_messages,
+                    **options.producer_overrides,
+                },
+            )
+        )
+        self._control = (
+            ControlListener(settings, options.worker_id, self._codec.codec) if options.listen_control else None
+        )
+        self.stats = PublisherStats()
+        self.epoch = 0
+        self._next_id: dict[int, int] = {}
+        self._pending: list[_Pending] = []
+        self._pending_blocks = 0
+        self._pending_since = 0.0
+        self._last_sent = time.monotonic()
+        self._resync_reason: str | None = None
+        self._last_resync = float("-inf")
+        #: Why no more events are taken (closed, or a fatal producer error); None: open.
+        self._stopped: str | None = None
+        self._released = False
+        self._start_epoch()
+
+    # ------------------------------------------------------------------ writer
+
+    def stored(
+        self,
+        dp_rank: int,
+        tier: Tier,
+        parent_hash: int | None,
+        block_hashes: list[int],
+        tokens_hashes: list[int],
+    ) -> None:
+        self._check_open()
+        cap = self.options.max_batch_blocks
+        for start in range(0, len(block_hashes), cap):
+            # Pieces fit a batch; each continues the previous one, so they merge back
+            # wherever there is room.
+            piece_h = block_hashes[start : start + cap]
+            last = self._pending[-1] if self._pending else None
+            if (
+                last is not None
+                and last.kind is Stored
+                and parent_hash is not None
+                and last.rank == dp_rank
+                and last.tier is tier
+                and last.hashes[-1] == parent_hash
+                and len(last.hashes) + len(piece_h) <= cap
+            ):
+                last.hashes.extend(piece_h)
+                last.tokens.extend(tokens_hashes[start : start + cap])
+            else:
+                self._add(_Pending(Stored, dp_rank, tier, parent_hash, piece_h, tokens_hashes[start : start + cap]))
+            self._pending_blocks += len(piece_h)
+            parent_hash = piece_h[-1]
+            self._maybe_cut()
+
+    def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None:
+        self._check_open()
+        cap = self.options.max_batch_blocks
+        for start in range(0, len(block_hashes), cap):
+            piece = block_hashes[start : start + cap]
+            last = self._pending[-1] if self._pending else None
+            if (
+                last is not None
+                and last.kind is Removed
+                and last.rank == dp_rank
+                and last.tier is tier
+                and len(last.hashes) + len(piece) <= cap
+            ):
+                last.hashes.extend(piece)
+            else:
+                self._add(_Pending(Removed, dp_rank, tier, None, piece, []))
+            self._pending_blocks += len(piece)
+            self._maybe_cut()
+
+    def cleared(self, dp_rank: int) -> None:
+        self._check_open()
+        self._add(_Pending(Cleared, dp_rank, Tier.DEVICE, None, [], []))
+        self._maybe_cut()
+
+    def _add(self, pending: _Pending) -> None:
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending.append(pending)
+
+    def _maybe_cut(self) -> None:
+        if len(self._pending) >= self.options.max_batch_events or self._pending_blocks >= self.options.max_batch_blocks:
+            self._cut()
+
+    def _check_open(self) -> None:
+        if self._stopped is not None:
+            raise PublisherClosedError(f"publisher of worker {self.worker_id}: {self._stopped}")
+
+    # ------------------------------------------------------------------ batches
+
+    def _start_epoch(self) -> None:
+        # Wall-clock ns: greater than any earlier incarnation's (clocks permitting), and
+        # strictly greater than this process's previous epoch whatever the clock does.
+        self.epoch = max(time.time_ns(), self.epoch + 1) & _U64
+        self._next_id = {}
+        self.cleared(0)
+
+    def _cut(self) -> None:
+        """Turn the pending events into one batch and hand it to the producer."""
+        if not self._pending:
+            return
+        wid, epoch, next_id = self.worker_id, self.epoch, self._next_id
+        events: list[RouterEvent] = []
+        for p in self._pending:
+            eid = next_id.get(p.rank, 1)
+            next_id[p.rank] = eid + 1
+            if p.kind is Stored:
+                events.append(Stored(wid, p.rank, p.tier, epoch, eid, p.parent, tuple(p.hashes), tuple(p.tokens)))
+            elif p.kind is Removed:
+                events.append(Removed(wid, p.rank, p.tier, epoch, eid, tuple(p.hashes)))
+            else:
+                events.append(Cleared(wid, p.rank, p.tier, epoch, eid))
+        blocks = self._pending_blocks
+        self._pending = []
+        self._pending_blocks = 0
+        self._send(EventBatch(wid, epoch, self.options.lease_ms, tuple(events)), blocks)
+
+    def _send(self, batch: EventBatch, blocks: int) -> None:
+        value = self._codec.encode(batch)
+        n_events = len(batch.events)
+        callback = partial(self._delivered, batch.epoch, n_events, blocks)
+        producer = self._producer
+        waited_since: float | None = None
+        while True:
+            try:
+                producer.produce(self._topic, value=value, key=self._key, on_delivery=callback)
+                break
+            except KafkaException as exc:
+                # Refused before queueing (e.g. the topic is known not to exist): a
+                # delivery failure like any other, retried the same way.
+                self._delivered(batch.epoch, n_events, blocks, exc.args[0], None)
+                return
+            except BufferError:
+                now = time.monotonic()
+                if waited_since is None:
+                    waited_since = now
+                    self.stats.queue_full_waits += 1
+                if self.options.queue_full is QueueFull.FAIL or now - waited_since >= self.options.block_timeout_s:
+                    # The batch is lost to the log: what the routers know no longer
+                    # matches this worker, so the next poll republishes everything.
+                    self._resync_reason = "a batch was refused by a full producer queue"
+                    raise PublisherQueueFullError(
+                        f"producer queue full ({len(producer)} messages waiting) "
+                        f"after {now - waited_since:.1f}s; batch of {n_events} events not published"
+                    ) from None
+                producer.poll(0.05)  # deliveries make room
+        stats = self.stats
+        stats.batches += 1
+        stats.events += n_events
+        stats.blocks += blocks
+        if not n_events:
+            stats.heartbeats += 1
+        self._last_sent = time.monotonic()
+        producer.poll(0)
+
+    def _delivered(
+        self, epoch: int, n_events: int, blocks: int, err: KafkaError | None, _msg: Message | None
+    ) -> None:
+        stats = self.stats
+        if err is None:
+            stats.acked_batches += 1
+            stats.acked_events += n_events
+            stats.acked_blocks += blocks
+            return
+        stats.delivery_failures += 1
+        log.error("batch_delivery_failed", error=err.str(), events=n_events, worker_id=self.worker_id)
+        if err.fatal():
+            # The idempotent producer cannot go on; only a new worker incarnation can.
+            self._stopped = f"fatal producer error: {err.str()}"
+        if epoch == self.epoch:
+            # A loss in an epoch that a resync already replaced changes nothing.
+            self._resync_reason = f"delivery failed: {err.str()}"
+
+    # ------------------------------------------------------------------ loop
+
+    @property
+    def queue_depth(self) -> int:
+        """Messages in the producer not yet acknowledged."""
+        return len(self._producer)
+
+    def poll(self, state: StateSource) -> None:
+        """Housekeeping, called often from the worker loop: send a batch whose linger
+        expired, heartbeats, serve delivery reports, answer resync requests (and resync
+        after delivery failures) with ``state``."""
+        self._check_open()
+        now = time.monotonic()
+        if self._pending and now - self._pending_since >= self.options.linger_ms / 1000:
+            self._cut()
+        elif now - self._last_sent >= self.options.heartbeat_s:
+            if self._pending:
+                self._cut()
+            else:
+                self._send(EventBatch(self.worker_id, self.epoch, self.options.lease_ms, ()), 0)
+        self._producer.poll(0)
+        if self._control is not None:
+            for req in self._control.poll():
+                self.stats.resync_requests += 1
+                log.info("resync_requested", requester=req.requester, reason=req.reason)
+                self._resync_reason = f"requested by {req.requester}: {req.reason}"
+                self._last_resync = float("-inf")  # requests are answered at once
+            self.stats.control_errors = self._control.errors
+        if self._resync_reason is not None and now - self._last_resync >= self.options.resync_backoff_s:
+            self.resync(state, self._resync_reason)
+
+    def resync(self, state: StateSource, reason: str) -> None:
+        """Publish ``cleared`` and then all of ``state`` under a new epoch."""
+        self._check_open()
+        self._cut()  # whatever the old epoch had pending goes out first, whole
+        self._resync_reason = None
+        self._last_resync = time.monotonic()
+        self._start_epoch()
+        state.replay(self)
+        self._cut()
+        self.stats.resyncs += 1
+        log.info("resync_published", epoch=self.epoch, reason=reason, worker_id=self.worker_id)
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        """Send what is pending and wait for Kafka's acknowledgements; returns how many
+        messages are still unacknowledged (0: all written)."""
+        self._check_open()
+        self._cut()
+        return self._producer.flush(timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> int:
+        """Send what is pending, wait for it, release the clients; returns how many
+        messages were left unacknowledged. Batches hold whole events only, so nothing
+        partial is ever published. Idempotent."""
+        if self._released:
+            return 0
+        try:
+            if self._stopped is None:
+                self._cut()
+            self._stopped = "closed"
+            left = self._producer.flush(timeout_s)
+            if left:
+                log.error("publisher_closed_with_undelivered", messages=left, worker_id=self.worker_id)
+            return left
+        finally:
+            self._released = True
+            if self._control is not None:
+                self._control.close()

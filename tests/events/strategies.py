@@ -1,0 +1,36 @@
+"""Hypothesis strategies for router events: u64 extremes are drawn often on purpose."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, Stored, Tier
+
+u64 = st.one_of(st.sampled_from([0, 1, (1 << 63) - 1, 1 << 63, U64_MAX]), st.integers(0, U64_MAX))
+u32 = st.one_of(st.sampled_from([0, (1 << 32) - 1]), st.integers(0, (1 << 32) - 1))
+tiers = st.sampled_from(list(Tier))
+
+
+@st.composite
+def event_batches(draw: st.DrawFn, max_events: int = 8) -> EventBatch:
+    worker_id, epoch = draw(u64), draw(u64)
+    events = []
+    for _ in range(draw(st.integers(0, max_events))):
+        kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
+        common = dict(worker_id=worker_id, dp_rank=draw(u32), tier=draw(tiers), epoch=epoch, event_id=draw(u64))
+        if kind == "stored":
+            n = draw(st.integers(1, 20))
+            events.append(
+                Stored(
+                    **common,
+                    parent_hash=draw(st.none() | u64),
+                    block_hashes=tuple(draw(st.lists(u64, min_size=n, max_size=n))),
+                    tokens_hashes=tuple(draw(st.lists(u64, min_size=n, max_size=n))),
+                )
+            )
+        elif kind == "removed":
+            events.append(Removed(**common, block_hashes=tuple(draw(st.lists(u64, min_size=1, max_size=20)))))
+        else:
+            events.append(Cleared(**common))
+    lease_ms = draw(st.one_of(st.just(0), st.just((1 << 63) - 1), st.integers(0, 10**7)))
+    return EventBatch(worker_id, epoch, lease_ms, tuple(events))

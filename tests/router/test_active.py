@@ -1,0 +1,110 @@
+"""Active sequences (DESIGN.md §6): load per worker, shared blocks once, expiry."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstream.hashing import sequence_hashes
+from kvstream.router.active import (
+    ActiveSequences,
+    AddRequest,
+    FreeRequest,
+    PrefillDone,
+    WorkerLoad,
+)
+from kvstream.router.errors import DuplicateRequestError, UnknownRequestError
+from kvstream.router.index import WorkerKey
+
+W0, W1 = WorkerKey(1, 0), WorkerKey(1, 1)
+CHAIN = tuple(sequence_hashes(list(range(100, 110))))  # 10 blocks
+OTHER = tuple(sequence_hashes(list(range(200, 204))))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def add(rid: str, key: WorkerKey, isl: int, overlap: int, hashes: tuple[int, ...], ts: float) -> AddRequest:
+    return AddRequest(rid, key.worker_id, key.dp_rank, isl, overlap, hashes, ts)
+
+
+def test_load_counts_shared_blocks_once() -> None:
+    act = ActiveSequences(clock=Clock())
+    assert act.load(W0) is None
+    act.apply(add("a", W0, 160, 32, CHAIN, 1000))
+    act.apply(add("b", W0, 96, 0, CHAIN[:6], 1000))  # shares 6 blocks with a
+    act.apply(add("c", W1, 64, 0, OTHER, 1000))
+    assert act.load(W0) == WorkerLoad(prefill_tokens=128 + 96, decode_blocks=10, requests=2)
+    assert act.load(W1) == WorkerLoad(64, 4, 1)
+    act.apply(PrefillDone("a", 1001))
+    assert act.load(W0) == WorkerLoad(96, 10, 2)
+    act.apply(PrefillDone("a", 1002))  # again: nothing left to subtract
+    assert act.load(W0) == WorkerLoad(96, 10, 2)
+    act.apply(FreeRequest("a", 1003))
+    assert act.load(W0) == WorkerLoad(96, 6, 1)
+    act.apply(FreeRequest("b", 1003))
+    assert act.load(W0) is None and "b" not in act and len(act) == 1
+
+
+def test_new_blocks_is_what_the_request_adds() -> None:
+    act = ActiveSequences(clock=Clock())
+    assert act.new_blocks(W0, CHAIN) == 10
+    act.apply(add("a", W0, 96, 0, CHAIN[:6], 1000))
+    assert act.new_blocks(W0, CHAIN) == 4
+    assert act.new_blocks(W0, CHAIN[:3]) == 0
+    assert act.new_blocks(W0, OTHER) == 4
+    assert act.new_blocks(W0, ()) == 0
+    assert act.new_blocks(W1, CHAIN) == 10
+    for cut in range(1, 10):
+        act2 = ActiveSequences(clock=Clock())
+        act2.apply(add("x", W0, 16 * cut, 0, CHAIN[:cut], 1000))
+        assert act2.new_blocks(W0, CHAIN) == 10 - cut
+
+
+def test_expiry_after_ttl_with_an_injected_clock() -> None:
+    clock = Clock()
+    act = ActiveSequences(ttl_s=300, clock=clock)
+    act.apply(add("old", W0, 32, 0, CHAIN[:2], 1000))
+    act.apply(add("new", W0, 32, 0, CHAIN[:2], 1200))
+    act.apply(add("gone", W1, 32, 0, OTHER, 1100))
+    act.apply(FreeRequest("gone", 1150))
+    clock.now = 1300
+    assert act.expire() == []  # exactly 300 s is not older than 300 s
+    clock.now = 1300.5
+    assert act.expire() == ["old"]
+    assert act.load(W0) == WorkerLoad(32, 2, 1)
+    assert act.expire(now=1600) == ["new"]
+    assert len(act) == 0 and act.load(W0) is None
+    # A re-added id is not expired by the stale heap entry of its first life.
+    act.apply(add("old", W0, 32, 0, CHAIN[:2], 1590))
+    assert act.expire(now=1700) == []
+    assert "old" in act
+
+
+def test_bad_operations_are_refused_without_changing_state() -> None:
+    act = ActiveSequences(clock=Clock())
+    act.apply(add("a", W0, 32, 0, CHAIN[:2], 1000))
+    with pytest.raises(DuplicateRequestError, match="'a' is already active"):
+        act.apply(add("a", W1, 32, 0, OTHER, 1000))
+    with pytest.raises(UnknownRequestError, match="free of request 'zz'"):
+        act.apply(FreeRequest("zz", 1000))
+    with pytest.raises(UnknownRequestError, match="prefill_done of request 'zz'"):
+        act.apply(PrefillDone("zz", 1000))
+    with pytest.raises(TypeError):
+        act.apply("free a")  # type: ignore[arg-type]
+    assert act.load(W0) == WorkerLoad(32, 2, 1) and act.load(W1) is None
+    with pytest.raises(ValueError, match="ttl_s"):
+        ActiveSequences(ttl_s=0)
+
+
+def test_remove_worker_drops_its_requests() -> None:
+    act = ActiveSequences(clock=Clock())
+    act.apply(add("a", W0, 32, 0, CHAIN[:2], 1000))
+    act.apply(add("b", W1, 32, 0, OTHER, 1000))
+    act.apply(add("c", WorkerKey(2, 0), 32, 0, OTHER, 1000))
+    assert sorted(act.remove_worker(1)) == ["a", "b"]
+    assert act.load(W0) is None and act.load(W1) is None and len(act) == 1
