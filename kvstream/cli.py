@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "snapshot": "kvstream.replica.snapshot_cli:snapshot",
     "worker": "kvstream.worker.cli:worker",
     "replay": "kvstream.tools.replay.cli:replay",
+    "simulate": "kvstream.tools.simulate.cli:simulate",
 }
 
 

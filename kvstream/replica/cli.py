@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -16,33 +17,24 @@ from kvstream.settings import Settings, SettingsError, load_settings
 log = get_logger(__name__)
 
 
+def _pick(cls: type, values: dict) -> dict:
+    """The entries of ``values`` that are fields of the dataclass ``cls``."""
+    return {f.name: values[f.name] for f in fields(cls) if f.name in values}
+
+
 def router_config(settings: Settings) -> RouterConfig:
-    r = settings.router
-    sched = SchedulerConfig(
-        overlap_score_credit=r.overlap_score_credit,
-        host_cache_hit_weight=r.host_cache_hit_weight,
-        disk_cache_hit_weight=r.disk_cache_hit_weight,
-        prefill_load_scale=r.prefill_load_scale,
-        decode_active_request_weight=r.decode_active_request_weight,
-        router_temperature=r.router_temperature,
-        max_active_decode_blocks=r.max_active_decode_blocks,
-        max_active_prefill_tokens=r.max_active_prefill_tokens,
+    r = settings.router.model_dump()
+    return RouterConfig(
+        block_size=r["block_size"],
+        scheduler=SchedulerConfig(**_pick(SchedulerConfig, r)),
+        request_ttl_s=r["request_ttl_s"],
     )
-    return RouterConfig(block_size=r.block_size, scheduler=sched, request_ttl_s=r.request_ttl_s)
 
 
 def replica_options(settings: Settings) -> ReplicaOptions:
-    r = settings.replica
-    return ReplicaOptions(
-        snapshot_dir=r.snapshot_dir,
-        snapshot_every_records=r.snapshot_every_records,
-        snapshot_every_s=r.snapshot_every_s,
-        ready_max_lag=r.ready_max_lag,
-        tick_interval_s=r.tick_interval_s,
-        peer_url=r.peer_url,
-        # Replicas of one deployment share the token, so a peer's is this one's.
-        peer_token=r.token,
-    )
+    r = settings.replica.model_dump()
+    # Replicas of one deployment share the token, so a peer's is this one's.
+    return ReplicaOptions(**_pick(ReplicaOptions, r), peer_token=r["token"])
 
 
 @click.command("router")

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import xxhash
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstream.events.model import Tier
 from kvstream.router.index import WorkerBlocks
@@ -186,13 +186,18 @@ def _meta_key(gen: int) -> bytes:
 class SnapshotStore:
     """A directory holding a replica's snapshot generations."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, read_only: bool = False) -> None:
+        """``read_only`` opens a store that a running replica holds (for inspection and
+        replay); such a store cannot be written."""
         self.path = Path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             opts = Options(raw_mode=True)
-            opts.create_if_missing(True)
-            self._db = Rdict(str(self.path), opts)
+            if read_only:
+                self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                opts.create_if_missing(True)
+                self._db = Rdict(str(self.path), opts)
         except Exception as exc:  # rocksdict raises plain Exceptions for I/O problems
             raise SnapshotError(f"cannot open snapshot store {self.path}: {exc}") from None
         self._sync = WriteOptions()

@@ -15,7 +15,7 @@ _dir = click.argument("snapshot_dir", type=click.Path(exists=True, file_okay=Fal
 
 def _open(path: Path) -> SnapshotStore:
     try:
-        return SnapshotStore(path)
+        return SnapshotStore(path, read_only=True)
     except SnapshotError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -131,24 +131,12 @@ class Router:
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
         now = self.clock()
-        active = self.active
-        active.expire(now)
         block_size = self.config.block_size
         local, seqs = block_hashes(token_ids, block_size, lora_name)
         isl = len(token_ids)
-        overlaps = self.index.find_matches_by_tier(local, seqs)
-        get_overlap = overlaps.get
-        keys = tuple(self.index.workers())
-        n = len(keys)
-        flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
-        overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]
-        candidates = Candidates(
-            keys,
-            np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
-            np.fromiter(flat(active.loads_for(keys, seqs)), np.int64, 5 * n).reshape(n, 5),
-        )
-        schedule = self.scheduler.schedule(isl, block_size, candidates, overrides)
-        winner = keys[schedule.chosen]
+        schedule = self.schedule_hashes(isl, local, seqs, overrides, now)
+        winner = schedule.candidates.workers[schedule.chosen]
+        active = self.active
         op = None
         if track:
             assert request_id is not None
@@ -163,6 +151,32 @@ class Router:
             )
             active.apply(op)
         return RouteDecision(winner, request_id, isl, len(seqs), schedule, op)
+
+    def schedule_hashes(
+        self,
+        isl: int,
+        local_hashes: Sequence[int],
+        seq_hashes: Sequence[int],
+        overrides: SchedulerOverrides | None = None,
+        now: float | None = None,
+    ) -> Schedule:
+        """Score every known candidate for a prompt given by its block hashes (what
+        find_best_match does after hashing; replay tools call it with logged hashes).
+        Expires old requests first; applies nothing else."""
+        active = self.active
+        active.expire(now)
+        overlaps = self.index.find_matches_by_tier(local_hashes, seq_hashes)
+        get_overlap = overlaps.get
+        keys = tuple(self.index.workers())
+        n = len(keys)
+        flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
+        overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]
+        candidates = Candidates(
+            keys,
+            np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
+            np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
+        )
+        return self.scheduler.schedule(isl, self.config.block_size, candidates, overrides)
 
     def prefill_done(self, request_id: str) -> PrefillDone:
         """The request's first token came out; returns the op applied (to share)."""

@@ -59,7 +59,7 @@ def _produce_slowly(settings, records) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_kill_9_during_ingest_and_snapshots(kafka_topics_factory, tmp_path: Path, record_property) -> None:
+def test_kill_9_during_ingest_and_snapshots(kafka_topics_factory, tmp_path: Path) -> None:
     settings = kafka_topics_factory(events_partitions=3)
     records = clean_log(11)
     step = -(-len(records) // KILLS)
@@ -112,9 +112,9 @@ def test_kill_9_during_ingest_and_snapshots(kafka_topics_factory, tmp_path: Path
         finally:
             r.stop()
             shutil.rmtree(probe, ignore_errors=True)
-    # The crashes happened while generations were being committed, not before the first.
-    assert sum(1 for a, b in zip([0, *generations], generations) if b > a) >= KILLS // 2, generations
-    record_property("kills", KILLS)
-    record_property("records", len(records))
-    record_property("generations_at_kill", generations)
-    record_property("duration_s", round(time.monotonic() - started, 1))
+    # The killed processes did commit generations between kills (so restarts really
+    # started from their snapshots), and others died with one in progress.
+    advanced = sum(1 for a, b in zip([0, *generations], generations) if b > a)
+    assert advanced >= 3 and generations[-1] > 0, generations
+    print(f"FAULTS replica_crash kills={KILLS} records={len(records)} generations_advanced={advanced} "
+          f"generations={generations} duration_s={time.monotonic() - started:.1f}")

@@ -240,3 +240,20 @@ def test_snapshot_cli_inspect_and_verify(tmp_path) -> None:
     assert out.exit_code == 1 and "BROKEN" in out.output
     out = runner.invoke(snapshot_cmd, ["inspect", str(tmp_path / "snap")])
     assert out.exit_code == 1 and "no valid snapshot" in out.output
+
+
+def test_read_only_open_beside_a_writer(tmp_path) -> None:
+    logs, _ = random_log(13)
+    fold = new_fold()
+    feed(fold, logs)
+    store, snap, gen = snapshot(tmp_path, fold)
+    reader = SnapshotStore(tmp_path / "snap", read_only=True)  # the writer still holds it
+    try:
+        loaded, _ = reader.load_latest()
+        assert loaded is not None and loaded[0].gen == gen
+    finally:
+        reader.close()
+        snap.close()
+        store.close()
+    with pytest.raises(SnapshotError):
+        SnapshotStore(tmp_path / "missing", read_only=True)

@@ -33,7 +33,7 @@ from kvstream.replica.replica import Replica
 from kvstream.replica.service import create_app
 from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
 from kvstream.tools.bench.index import make_workload
-from kvstream.tools.bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, produce_records, wait_applied
+from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
 from kvstream.tools.bench.restart import replica_options, worker_log
 
 VOCAB = 152_064
@@ -202,9 +202,7 @@ def http_bench(
         replica = Replica(settings, replica_options(None))
         replica.start()
         try:
-            wait_applied(replica, high_watermarks(settings), timeout, "replica folding the log")
-            if not replica.wait_ready(timeout):
-                raise click.ClickException("the replica did not become ready")
+            wait_settled(replica, settings, timeout, "replica folding the log")
             result = _measure(replica, prompts, bodies, n_requests, clients, timeout)
         finally:
             replica.stop()

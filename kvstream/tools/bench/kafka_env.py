@@ -144,3 +144,19 @@ def wait_applied(replica: Replica, targets: Mapping[int, int], timeout: float, d
             if time.monotonic() > deadline:
                 raise click.ClickException(f"the replica read {done} of {total} records in {timeout:.0f}s")
             time.sleep(0.005)
+
+
+def wait_settled(replica: Replica, settings: Settings, timeout: float, desc: str = "applying") -> None:
+    """Wait until ``replica`` has read the events topic to its end and the end no longer
+    moves (a starting replica writes log-clock ticks of its own), then until it reports
+    ready."""
+    deadline = time.monotonic() + timeout
+    targets = high_watermarks(settings)
+    while True:
+        wait_applied(replica, targets, max(1.0, deadline - time.monotonic()), desc)
+        now = high_watermarks(settings)
+        if now == targets:
+            break
+        targets = now
+    if not replica.wait_ready(max(1.0, deadline - time.monotonic())):
+        raise click.ClickException(f"the replica did not report ready within {timeout:.0f}s (lag {replica.lag()})")

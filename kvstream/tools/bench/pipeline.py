@@ -42,7 +42,7 @@ from kvstream.replica.replica import Replica
 from kvstream.router.index import REASONS
 from kvstream.settings import Settings, TopicSettings
 from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, wait_applied
+from kvstream.tools.bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, wait_applied, wait_settled
 from kvstream.tools.bench.restart import LEASE_MS, replica_options
 from kvstream.worker.consolidator import RouterEventWriter
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
@@ -243,7 +243,7 @@ class ApplyClock:
 
     def __call__(self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool = False) -> Outcome:
         out = self._apply(partition, offset, timestamp_ms, value, is_tick)
-        if self.on:
+        if self.on and not is_tick:
             self.samples.append((timestamp_ms, time.time()))
         return out
 
@@ -350,8 +350,7 @@ def _run(settings: Settings, fleet: FleetProcess, n_blocks: int, rate: float, se
     replica.fold.apply_record = clock  # type: ignore[method-assign]
     replica.start()
     try:
-        if not replica.wait_ready(timeout):
-            raise click.ClickException("the replica did not become ready on the empty log")
+        wait_settled(replica, settings, timeout, "replica reading the empty log")
         # 1. throughput
         start_offsets = high_watermarks(settings)
         cpu0 = time.process_time()

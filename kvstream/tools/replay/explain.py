@@ -27,9 +27,9 @@ from kvstream.replica.service import RouteRequest
 from kvstream.router.active import ActiveOp, AddRequest
 from kvstream.router.errors import NoEligibleWorkerError, RouterError, SchedulerConfigError
 from kvstream.router.explain import decision_dict
-from kvstream.router.index import NO_OVERLAP, WorkerKey
+from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision, Router
-from kvstream.router.scheduler import Candidate, SchedulerOverrides
+from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, SourceError
 from kvstream.tools.replay.reader import LogReader, format_time
@@ -131,21 +131,13 @@ def overrides_of(req: RouteRequest) -> SchedulerOverrides | None:
 
 
 def _decide_from_hashes(router: Router, add: AddRequest, now: float) -> RouteDecision:
-    """Score a logged request from its sequence hashes (the log keeps no token ids).
-    Same steps as Router.find_best_match after hashing, query-only: the index matches
-    on sequence hashes, so they stand in for the local hashes too."""
-    router.active.expire(now)
+    """Score a logged request from its sequence hashes (the log keeps no token ids),
+    query-only: the index matches on sequence hashes, so they stand in for the local
+    hashes too."""
     seqs = add.sequence_hashes
-    overlaps = router.index.find_matches_by_tier(seqs, seqs)
-    keys = router.index.workers()
-    candidates = [
-        Candidate(key, overlaps.get(key, NO_OVERLAP), *load)
-        for key, load in zip(keys, router.active.loads_for(keys, seqs))
-    ]
-    schedule = router.scheduler.schedule(add.isl, router.config.block_size, candidates)
-    return RouteDecision(
-        candidates[schedule.chosen].worker, add.request_id, add.isl, len(seqs), schedule, None
-    )
+    schedule = router.schedule_hashes(add.isl, seqs, seqs, None, now)
+    worker = schedule.candidates.workers[schedule.chosen]
+    return RouteDecision(worker, add.request_id, add.isl, len(seqs), schedule, None)
 
 
 def _score(fn: Any) -> RouteDecision:

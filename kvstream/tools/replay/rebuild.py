@@ -63,9 +63,9 @@ def open_store(path: Path) -> SnapshotStore:
     if not path.is_dir():
         raise SourceError(f"snapshot directory {path} does not exist")
     try:
-        return SnapshotStore(path)
+        return SnapshotStore(path, read_only=True)
     except SnapshotError as exc:
-        raise SourceError(f"{exc} (a running replica locks it: read a copy)") from None
+        raise SourceError(str(exc)) from None
 
 
 def _usable_snapshot(

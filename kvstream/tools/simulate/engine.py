@@ -44,15 +44,16 @@ class CostModel:
     prefill_ms_per_token: float = 0.05
     #: Decode step time per running request (one token each).
     decode_ms_per_token: float = 0.3
-    #: Bringing one block back into G1 from host memory, and from disk.
-    onboard_host_ms_per_block: float = 0.08
-    onboard_disk_ms_per_block: float = 0.4
+    #: Bringing KV back into G1 from host memory, and from disk, per token (a block
+    #: costs this times the block size): bytes moved, with no compute.
+    onboard_host_ms_per_token: float = 0.005
+    onboard_disk_ms_per_token: float = 0.025
     #: Requests running at once (decoding, or admitted in the step).
     batch_limit: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("prefill_ms_per_token", "decode_ms_per_token", "onboard_host_ms_per_block",
-                     "onboard_disk_ms_per_block"):
+        for name in ("prefill_ms_per_token", "decode_ms_per_token", "onboard_host_ms_per_token",
+                     "onboard_disk_ms_per_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise SimulationError(f"cost {name} must be a finite number >= 0, got {value}")
@@ -138,7 +139,7 @@ class SimEngine:
         if len(job.seqs) > self.config.device_blocks:
             raise SimulationError(
                 f"request {job.request_id} needs {len(job.seqs)} blocks, more than the "
-                f"{self.config.device_blocks} of a worker's device tier (raise --device-blocks)"
+                f"{self.config.device_blocks} of a worker's device tier (raise --device-tokens)"
             )
         self.waiting.append(job)
 
@@ -158,10 +159,11 @@ class SimEngine:
         res = self.onboarder.onboard(job.seqs)
         job.device_blocks, job.host_blocks, job.disk_blocks = res.device_blocks, res.host_blocks, res.disk_blocks
         job.slots = self.pool.device.allocate(len(job.seqs) - len(res.block_hashes))
-        uncached = job.input_length - len(res.block_hashes) * self.config.block_size
+        bs = self.config.block_size
+        uncached = job.input_length - len(res.block_hashes) * bs
         c = self.cost
-        return (uncached * c.prefill_ms_per_token + res.host_blocks * c.onboard_host_ms_per_block
-                + res.disk_blocks * c.onboard_disk_ms_per_block) / 1000
+        return (uncached * c.prefill_ms_per_token + res.host_blocks * bs * c.onboard_host_ms_per_token
+                + res.disk_blocks * bs * c.onboard_disk_ms_per_token) / 1000
 
     def begin_step(self, now_s: float, next_arrival_s: float) -> float | None:
         """Start a step at ``now_s`` (admissions happen now); returns its end, or None

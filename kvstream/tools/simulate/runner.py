@@ -101,6 +101,14 @@ def simulate(
     """Run ``requests`` through a simulated fleet routed by ``options.policy``."""
     if not requests:
         raise SimulationError("the workload has no request")
+    longest = max(requests, key=lambda r: r.input_length)
+    if longest.input_length // options.engine.block_size > options.engine.device_blocks:
+        # Checked before anything runs: such a request could never be admitted.
+        raise SimulationError(
+            f"request {longest.request_id} has {longest.input_length} prompt tokens, more than a worker's "
+            f"device tier holds ({options.engine.device_blocks} blocks of {options.engine.block_size}; "
+            "raise --device-tokens)"
+        )
     clock = SimClock()
     bs = options.engine.block_size
     router_config = RouterConfig(block_size=bs, scheduler=options.scheduler, request_ttl_s=_NO_EXPIRY_S)

@@ -1,0 +1,141 @@
+"""``kvstream simulate``: trace-driven fleet simulation (DESIGN.md §11).
+
+Without ``--bootstrap`` the events go through an in-memory log folded like a replica
+folds Kafka; with it, through the real broker into one or more replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from kvstream.router import RouterConfig, SchedulerConfig
+from kvstream.settings import SettingsError, load_settings
+from kvstream.tools.bench.common import emit
+from kvstream.tools.simulate.engine import CostModel, EngineConfig
+from kvstream.tools.simulate.errors import SimulationError
+from kvstream.tools.simulate.eventlog import EventLog, KafkaEventLog, MemoryEventLog
+from kvstream.tools.simulate.policies import POLICIES
+from kvstream.tools.simulate.report import plot, summarize
+from kvstream.tools.simulate.runner import LogFactory, SimClock, SimOptions, SimResult
+from kvstream.tools.simulate.runner import simulate as run_simulation
+from kvstream.tools.simulate.trace import Request, TraceOptions, read_mooncake
+from kvstream.tools.simulate.workload import WorkloadOptions, generate
+from kvstream.worker.consolidator import Mode
+
+_COST = CostModel()
+_ENGINE = EngineConfig()
+
+
+@click.command("simulate")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Mooncake JSONL trace (default: a generated workload with shared prefixes).")
+@click.option("--speed", type=float, default=1.0, show_default=True, help="Replay speed (arrival times ÷ speed).")
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N requests.")
+@click.option("--sessions", type=click.IntRange(min=1), default=40, show_default=True,
+              help="Sessions of the generated workload (without --trace).")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--policy", "policies", type=click.Choice(list(POLICIES) + ["all"]), multiple=True, default=["kv"],
+              show_default=True, help="Routing policy; repeat it, or 'all', to compare.")
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.DEDUP.value, show_default=True,
+              help="Consolidator mode of the workers.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=_ENGINE.block_size, show_default=True,
+              help="Tokens per KV block (engine and router).")
+@click.option("--device-tokens", type=click.IntRange(min=1), default=_ENGINE.device_blocks * _ENGINE.block_size,
+              show_default=True, help="G1 capacity per worker, in tokens.")
+@click.option("--host-tokens", type=click.IntRange(min=1), default=_ENGINE.host_blocks * _ENGINE.block_size,
+              show_default=True, help="G2 capacity per worker, in tokens.")
+@click.option("--disk-tokens", type=click.IntRange(min=0), default=_ENGINE.disk_blocks * _ENGINE.block_size,
+              show_default=True, help="G3 capacity per worker, in tokens (0: no disk tier).")
+@click.option("--prefill-ms-per-token", type=float, default=_COST.prefill_ms_per_token, show_default=True)
+@click.option("--decode-ms-per-token", type=float, default=_COST.decode_ms_per_token, show_default=True,
+              help="Decode step time per running request.")
+@click.option("--onboard-host-ms-per-token", type=float, default=_COST.onboard_host_ms_per_token, show_default=True)
+@click.option("--onboard-disk-ms-per-token", type=float, default=_COST.onboard_disk_ms_per_token, show_default=True)
+@click.option("--batch-limit", type=click.IntRange(min=1), default=_COST.batch_limit, show_default=True)
+@click.option("--bootstrap", help="Kafka bootstrap servers: send the events through the real broker.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file (with --bootstrap).")
+@click.option("--topic-prefix", help="Topic name prefix (with --bootstrap).")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Replicas folding the events (with --bootstrap); all must agree.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write TTFT CDFs and hit rates per policy to this PNG.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def simulate(
+    trace_path: Path | None, speed: float, limit: int | None, sessions: int, workers: int,
+    policies: tuple[str, ...], mode: str, seed: int, block_size: int, device_tokens: int, host_tokens: int,
+    disk_tokens: int, prefill_ms_per_token: float, decode_ms_per_token: float,
+    onboard_host_ms_per_token: float, onboard_disk_ms_per_token: float, batch_limit: int,
+    bootstrap: str | None, config_file: str | None, topic_prefix: str | None, replicas: int,
+    plot_path: Path | None, progress: bool | None, as_json: bool,
+) -> None:
+    """Trace-driven fleet simulation: routing policies over simulated tiered workers."""
+    try:
+        requests = _requests(trace_path, speed, limit, sessions, seed)
+        engine = EngineConfig(
+            device_blocks=device_tokens // block_size,
+            host_blocks=host_tokens // block_size,
+            disk_blocks=disk_tokens // block_size,
+            block_size=block_size,
+            cost=CostModel(prefill_ms_per_token, decode_ms_per_token, onboard_host_ms_per_token,
+                           onboard_disk_ms_per_token, batch_limit),
+        )
+        make_log = _log_factory(bootstrap, config_file, topic_prefix, replicas)
+        names = list(POLICIES) if "all" in policies else list(dict.fromkeys(policies))
+        show = sys.stderr.isatty() if progress is None else progress
+        results: list[SimResult] = []
+        for name in names:
+            options = SimOptions(workers=workers, policy=name, mode=Mode(mode), seed=seed, engine=engine,
+                                 scheduler=SchedulerConfig())
+            results.append(run_simulation(requests, options, make_log, progress=show))
+        if plot_path is not None:
+            plot(results, plot_path)
+    except (SimulationError, SettingsError) as exc:
+        raise click.ClickException(str(exc)) from None
+    summaries = [summarize(r) for r in results]
+    source = str(trace_path) if trace_path is not None else f"generated(sessions={sessions}, seed={seed})"
+    common = {"trace": source, "speed": speed, "block_size": block_size,
+              "event_log": "kafka" if bootstrap else "memory"}
+    if len(summaries) == 1:
+        emit({**summaries[0], **common}, as_json)
+    elif as_json:
+        click.echo(json.dumps({**common, "runs": summaries}))
+    else:
+        for s in summaries:
+            emit({**s, **common}, False)
+            click.echo()
+
+
+def _requests(trace_path: Path | None, speed: float, limit: int | None, sessions: int, seed: int) -> list[Request]:
+    options = TraceOptions(speed=speed, limit=limit)  # validates speed and limit
+    if trace_path is not None:
+        return read_mooncake(trace_path, options)
+    reqs = generate(WorkloadOptions(seed=seed, sessions=sessions))
+    scaled = [Request(r.request_id, r.arrival_ms / speed, r.input_length, r.output_length, r.hash_ids,
+                      r.tokens_per_id) for r in reqs]
+    return scaled[:limit] if limit is not None else scaled
+
+
+def _log_factory(bootstrap: str | None, config_file: str | None, topic_prefix: str | None, replicas: int) -> LogFactory:
+    if bootstrap is None:
+        if replicas != 1 or topic_prefix or config_file:
+            raise SimulationError("--replicas, --topic-prefix and --config need --bootstrap (a real broker)")
+
+        def memory(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
+            return MemoryEventLog(config, clock, seed)
+
+        return memory
+    settings = load_settings(config_file, bootstrap=bootstrap)
+    if topic_prefix is not None:
+        settings.topics = settings.topics.model_copy(update={"prefix": topic_prefix})
+
+    def kafka(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
+        return KafkaEventLog(settings, config, clock, seed, replicas=replicas)
+
+    return kafka
+

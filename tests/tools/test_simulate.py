@@ -1,0 +1,252 @@
+"""``kvstream simulate``: trace input, generator, simulated engine, policies, reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvstream.cli import cli
+from kvstream.events.model import Tier
+from kvstream.hashing import block_hashes
+from kvstream.router import RouterConfig
+from kvstream.tools.simulate.engine import CostModel, EngineConfig, Job, SimEngine
+from kvstream.tools.simulate.errors import SimulationError, TraceError
+from kvstream.tools.simulate.eventlog import EventLog, MemoryEventLog
+from kvstream.tools.simulate.report import plot, summarize
+from kvstream.tools.simulate.runner import SimClock, SimOptions, simulate
+from kvstream.tools.simulate.trace import Request, TraceOptions, read_mooncake
+from kvstream.tools.simulate.workload import WorkloadOptions, generate
+from kvstream.worker.consolidator import Consolidator, Mode
+
+SMALL = EngineConfig(device_blocks=400, host_blocks=800, disk_blocks=1600)
+
+
+def memory_log(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
+    return MemoryEventLog(config, clock, seed)
+
+
+def _write(path: Path, records: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# -- trace ------------------------------------------------------------------------------
+
+
+def test_mooncake_trace_is_read_with_speed_and_limit(tmp_path: Path) -> None:
+    p = _write(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]},
+        {"timestamp": 1000, "input_length": 10, "output_length": 0, "hash_ids": [9]},
+        {"timestamp": 2000, "input_length": 1, "output_length": 1, "hash_ids": [1]},
+    ])
+    reqs = read_mooncake(p, TraceOptions(speed=2.0, limit=2))
+    assert [(r.arrival_ms, r.input_length, r.output_length) for r in reqs] == [(0, 600, 5), (500, 10, 1)]
+    # The replay convention: each id is its own token, 512 times, cut to input_length.
+    assert reqs[0].tokens() == [7] * 512 + [8] * 88
+    assert reqs[1].tokens() == [9] * 10
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ("not json", "not JSON"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "less than input_length"),
+        ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}', "input_length"),
+        ('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-3]}', "u32"),
+        ('[1, 2]', "JSON object"),
+    ],
+)
+def test_bad_trace_lines_are_errors_naming_the_line(tmp_path: Path, line: str, reason: str) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    with pytest.raises(TraceError, match=f"t.jsonl:2: .*{reason}"):
+        read_mooncake(p)
+
+
+def test_trace_time_must_not_go_back(tmp_path: Path) -> None:
+    p = _write(tmp_path / "t.jsonl", [
+        {"timestamp": 5, "input_length": 1, "output_length": 1, "hash_ids": [1]},
+        {"timestamp": 4, "input_length": 1, "output_length": 1, "hash_ids": [1]},
+    ])
+    with pytest.raises(TraceError, match="goes back in time"):
+        read_mooncake(p)
+    with pytest.raises(TraceError, match="cannot read trace"):
+        read_mooncake(tmp_path / "missing.jsonl")
+    with pytest.raises(TraceError, match="speed"):
+        TraceOptions(speed=0)
+
+
+# -- generator --------------------------------------------------------------------------
+
+
+def test_generator_is_seeded_and_shares_prefixes() -> None:
+    a = generate(WorkloadOptions(seed=3, sessions=12))
+    assert a == generate(WorkloadOptions(seed=3, sessions=12))
+    assert a != generate(WorkloadOptions(seed=4, sessions=12))
+    assert [r.arrival_ms for r in a] == sorted(r.arrival_ms for r in a)
+    # Sessions sharing a system prompt share its ids; a later turn extends an earlier one.
+    firsts = {r.hash_ids[:8] for r in a}
+    assert 1 < len(firsts) <= 4
+    extends = [
+        (x, y) for i, x in enumerate(a) for y in a[i + 1 :]
+        if len(y.hash_ids) > len(x.hash_ids) and y.hash_ids[: len(x.hash_ids)] == x.hash_ids
+    ]
+    assert extends
+    x, y = extends[0]
+    assert y.tokens()[: x.input_length] == x.tokens()
+
+
+# -- engine -----------------------------------------------------------------------------
+
+
+class Writer:
+    """Records router events from a consolidator (what the router would be told)."""
+
+    def __init__(self) -> None:
+        self.stores: list[tuple[Tier, int]] = []
+
+    def stored(self, dp_rank, tier, parent_hash, block_hashes, tokens_hashes) -> None:  # type: ignore[no-untyped-def]
+        self.stores.append((tier, len(block_hashes)))
+
+    def removed(self, dp_rank, tier, block_hashes) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def cleared(self, dp_rank) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def _job(rid: str, tokens: list[int], at: float, out: int = 3) -> Job:
+    local, seqs = block_hashes(tokens, 16)
+    return Job(rid, at, len(tokens), out, local, seqs)
+
+
+def test_engine_times_follow_the_cost_model(tmp_path: Path) -> None:
+    cost = CostModel(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, batch_limit=4)
+    engine = SimEngine(0, EngineConfig(device_blocks=64, host_blocks=64, disk_blocks=0, cost=cost),
+                       Consolidator(Writer()), tmp_path)
+    prompt = list(range(100))  # 6 full blocks + 4 tokens
+    engine.submit(_job("a", prompt, 0.0, out=3))
+    end = engine.begin_step(0.0, next_arrival_s=float("inf"))
+    assert end == pytest.approx(0.100)  # 100 uncached tokens × 1 ms
+    step = engine.end_step(end)
+    assert [j.request_id for j in step.first_tokens] == ["a"]
+    # Nothing arrives: the two remaining decode steps are taken at once (2 × 10 ms × 1).
+    end2 = engine.begin_step(end, float("inf"))
+    assert end2 == pytest.approx(0.120)
+    assert [j.request_id for j in engine.end_step(end2).finished] == ["a"]
+    # The same prompt again hits its 6 blocks on G1: only the 4-token tail is computed.
+    engine.submit(_job("b", prompt + [5] * 30, 1.0, out=1))
+    end3 = engine.begin_step(1.0, float("inf"))
+    assert end3 == pytest.approx(1.0 + (130 - 96) * 0.001)
+    done = engine.end_step(end3)
+    assert done.finished[0].device_blocks == 6 and done.finished[0].host_blocks == 0
+    assert engine.begin_step(end3, float("inf")) is None
+    engine.close()
+
+
+def test_engine_onboards_from_host_after_eviction(tmp_path: Path) -> None:
+    cost = CostModel(prefill_ms_per_token=1.0, onboard_host_ms_per_token=0.1)
+    writer = Writer()
+    engine = SimEngine(0, EngineConfig(device_blocks=8, host_blocks=32, disk_blocks=0, cost=cost),
+                       Consolidator(writer, Mode.PASSTHROUGH), tmp_path)
+    first, other = list(range(128)), list(range(1000, 1128))  # 8 blocks each: fills G1
+    for rid, tokens, at in (("a", first, 0.0), ("b", other, 1.0), ("c", first, 2.0)):
+        engine.submit(_job(rid, tokens, at, out=1))
+        end = engine.begin_step(at, float("inf"))
+        step = engine.end_step(end)
+    job = step.finished[0]
+    assert (job.device_blocks, job.host_blocks) == (0, 8)  # evicted from G1, kept on G2
+    assert end == pytest.approx(2.0 + 128 * 0.1 / 1000)
+    assert (Tier.HOST_PINNED, 8) in writer.stores  # passthrough tells the router about G2
+    with pytest.raises(SimulationError, match="device tier"):
+        engine.submit(_job("huge", list(range(16 * 9)), 3.0))
+    engine.close()
+
+
+# -- whole runs -------------------------------------------------------------------------
+
+
+def _run(policy: str, mode: Mode = Mode.DEDUP, engine: EngineConfig = SMALL, seed: int = 0, sessions: int = 30):
+    reqs = generate(WorkloadOptions(seed=1, sessions=sessions))
+    return reqs, simulate(reqs, SimOptions(workers=4, policy=policy, mode=mode, seed=seed, engine=engine), memory_log)
+
+
+@pytest.mark.parametrize("policy", ["kv", "round_robin", "random", "least_load"])
+def test_every_policy_completes_every_request_deterministically(policy: str) -> None:
+    reqs, a = _run(policy)
+    assert sorted(r.request_id for r in a.requests) == sorted(r.request_id for r in reqs)
+    assert [d[0] for d in a.decisions] == [r.request_id for r in reqs]
+    assert all(r.arrival_s < r.first_token_s <= r.finish_s for r in a.requests)
+    assert a.log.counters == {}  # the router applied every event the workers sent
+    _, b = _run(policy)
+    assert a.decisions == b.decisions
+    s = summarize(a)
+    assert s["policy"] == policy and s["requests"] == len(reqs)
+    assert 0 <= s["ttft_p50_ms"] <= s["ttft_p90_ms"] <= s["ttft_p99_ms"]
+    assert s["hit_rate"] == pytest.approx(s["hit_rate_device"] + s["hit_rate_host"] + s["hit_rate_disk"], abs=1e-3)
+
+
+def test_round_robin_cycles_and_kv_finds_more_shared_prefixes() -> None:
+    _, rr = _run("round_robin")
+    assert [w for _, w in rr.decisions[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    _, kv = _run("kv")
+    assert summarize(kv)["hit_rate"] > summarize(rr)["hit_rate"] + 0.1
+
+
+def test_passthrough_shows_the_router_lower_tier_hits_that_dedup_hides() -> None:
+    tight = EngineConfig(device_blocks=300, host_blocks=2000, disk_blocks=4000)
+    _, dedup = _run("kv", Mode.DEDUP, tight, sessions=40)
+    _, passthrough = _run("kv", Mode.PASSTHROUGH, tight, sessions=40)
+    d, p = summarize(dedup), summarize(passthrough)
+    assert d["hit_rate_host"] > 0 and p["hit_rate_host"] > 0  # the workers do onboard from G2
+    assert d["router_hit_rate_host"] == 0 == d["router_hit_rate_disk"]  # dedup: all looks like device
+    assert p["router_hit_rate_host"] > 0
+
+
+def test_plot_and_cli(tmp_path: Path) -> None:
+    _, kv = _run("kv", sessions=10)
+    _, rr = _run("round_robin", sessions=10)
+    out = tmp_path / "p.png"
+    plot([kv, rr], out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    runner = CliRunner()
+    res = runner.invoke(cli, ["simulate", "--sessions", "8", "--workers", "3", "--policy", "kv", "--json",
+                              "--device-tokens", "8000", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    for key in ("policy", "requests", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "hit_rate_device", "hit_rate_host",
+                "hit_rate_disk", "events_per_s", "load_imbalance_busy", "e2e_p99_ms"):
+        assert key in doc
+    res = runner.invoke(cli, ["simulate", "--sessions", "6", "--policy", "kv", "--policy", "random", "--json",
+                              "--no-progress", "--plot", str(tmp_path / "two.png")])
+    assert res.exit_code == 0, res.output
+    assert [r["policy"] for r in json.loads(res.stdout.strip().splitlines()[-1])["runs"]] == ["kv", "random"]
+    res = runner.invoke(cli, ["simulate", "--trace", str(tmp_path / "none.jsonl")])
+    assert res.exit_code != 0 and "cannot read trace" in res.output
+    res = runner.invoke(cli, ["simulate", "--sessions", "6", "--device-tokens", "64"])
+    assert res.exit_code != 0 and "raise --device-tokens" in res.output
+    res = runner.invoke(cli, ["simulate", "--replicas", "2"])
+    assert res.exit_code != 0 and "need --bootstrap" in res.output
+
+
+# -- the shared trace (absent from a fresh clone) ---------------------------------------
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"the Mooncake trace is not at {TRACE} (../shared/traces of the repo)")
+def test_mooncake_trace_prefix_kv_beats_round_robin() -> None:
+    reqs = read_mooncake(TRACE, TraceOptions(limit=400))
+    engine = EngineConfig(device_blocks=512, host_blocks=2048, disk_blocks=8192, block_size=512)
+    out = {}
+    for policy in ("kv", "round_robin"):
+        res = simulate(reqs, SimOptions(workers=8, policy=policy, engine=engine), memory_log)
+        assert len(res.requests) == 400
+        out[policy] = summarize(res)
+    assert out["kv"]["hit_rate"] > out["round_robin"]["hit_rate"]
+    assert out["kv"]["ttft_p50_ms"] <= out["round_robin"]["ttft_p50_ms"]
