@@ -136,6 +136,7 @@ class LogFold:
         log.last_seen_ms = max(log.last_seen_ms, ts)
         rejected: list[str] = []
         applied = 0
+        known = self.router.index.knows(wid)
         apply_event = self.router.apply_event
         last_ids = log.last_ids
         for i, ev in enumerate(batch.events):
@@ -154,6 +155,12 @@ class LogFold:
                 applied += 1
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
+        if not known and self.router.index.knows(wid) and not any(
+            p.block_hashes for p in self.router.index.export_worker(wid)
+        ):
+            # Only rejected stores or unknown removes from a worker the index did not
+            # know: they must not make it a routing candidate with no cache at all.
+            self.router.index.remove_worker(wid)
         return Outcome(
             dlq_reason="; ".join(rejected) if rejected else None,
             resync=tuple(resync),

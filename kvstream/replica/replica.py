@@ -104,7 +104,7 @@ class Replica:
         self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id}))
         self._lag: dict[int, int] = {}
         self._start_offsets: dict[int, int] = {}
-        self._watermarks_at = float("-inf")
+        self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
         self._last_tick = float("-inf")
@@ -132,6 +132,7 @@ class Replica:
                 base=self._restored,
             )
         self._spawn(self._ingest_loop, "ingest")
+        self._spawn(self._lag_loop, "lag")
         self._spawn(self._active_loop, "active")
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -147,6 +148,8 @@ class Replica:
         if self.snapshotter is not None:
             self.snapshotter.close(final=True)
         self._producer.flush(10)
+        if self._watermarks is not None:
+            self._watermarks.close()
         if self.store is not None:
             self.store.close()
 
@@ -179,14 +182,10 @@ class Replica:
             for reason in skipped:
                 self.metrics.snapshot_fallbacks.inc()
                 self._note(f"snapshot skipped: {reason}")
-        wm = Consumer(consumer_config(self.settings))
-        try:
-            bounds = {
-                p: wm.get_watermark_offsets(TopicPartition(self.events_topic, p), timeout=30)
-                for p in range(self.partition_count)
-            }
-        finally:
-            wm.close()
+        # Watermarks come from a consumer that never fetches: on the fetching one, each
+        # query waits behind a long-poll fetch and stalls ingest.
+        self._watermarks = Consumer(consumer_config(self.settings))
+        bounds = self._bounds(timeout=30)
         offsets = {p: low for p, (low, _) in bounds.items()}
         if loaded is None:
             if any(low > 0 for low, _ in bounds.values()):
@@ -220,6 +219,23 @@ class Replica:
         self.metrics.snapshot_loaded_blocks.set(meta.blocks())
         return offsets
 
+    def _bounds(self, timeout: float) -> dict[int, tuple[int, int]]:
+        """(earliest, end) offset of every partition; retried while a new topic's
+        leaders are still being elected."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return {
+                    p: self._watermarks.get_watermark_offsets(
+                        TopicPartition(self.events_topic, p), timeout=5, cached=False
+                    )
+                    for p in range(self.partition_count)
+                }
+            except KafkaException as exc:
+                if time.monotonic() > deadline:
+                    raise RecoveryError(f"cannot read the offsets of {self.events_topic}: {exc}") from None
+                time.sleep(0.2)
+
     def _bootstrap_from_peer(self) -> None:
         from kvstream.replica.peer import fetch_peer_snapshot
 
@@ -240,8 +256,11 @@ class Replica:
         consumer = self._consumer
         try:
             while not self._stop.is_set():
-                msgs = consumer.consume(self.options.consume_batch, 0.05)
+                # Wait for one record, then take what is already there: low lag when
+                # quiet, large batches under load.
+                msgs = consumer.consume(1, 0.05)
                 if msgs:
+                    msgs += consumer.consume(self.options.consume_batch - 1, 0)
                     with self.lock:
                         self._apply_messages(msgs)
                 if self.snapshotter is not None:
@@ -258,6 +277,7 @@ class Replica:
     def _apply_messages(self, msgs: list) -> None:
         fold = self.fold
         m_applied = 0
+        records = 0
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -265,6 +285,7 @@ class Replica:
                     self.metrics.consume_errors.inc()
                     log.warning("consume error", error=str(err))
                 continue
+            records += 1
             headers = m.headers()
             is_tick = bool(headers) and any(k == TICK_HEADER for k, _ in headers)
             out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick)
@@ -274,9 +295,9 @@ class Replica:
             for wid in out.resync:
                 self._request_resync(wid, "event id gap or epoch without cleared")
         self.metrics.events_applied.inc(m_applied)
-        self.metrics.records.inc(len(msgs))
-        if self.snapshotter is not None:
-            self.snapshotter.records_applied(len(msgs))
+        self.metrics.records.inc(records)
+        if self.snapshotter is not None and records:
+            self.snapshotter.records_applied(records)
 
     def _to_dlq(self, m, reason: str) -> None:
         self.metrics.dlq.inc()
@@ -314,25 +335,27 @@ class Replica:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if now - self._watermarks_at >= 0.5:
-            self._watermarks_at = now
-            self._update_lag()
         if now - self._last_tick >= self.options.tick_interval_s:
             self._last_tick = now
             for p in range(self.partition_count):
                 self._producer.produce(self.events_topic, value=None, partition=p, headers=[(TICK_HEADER, b"")])
         self._producer.poll(0)
 
+    def _lag_loop(self) -> None:
+        # Its own thread: a slow broker answer must never stall ingest.
+        while not self._stop.is_set():
+            self._update_lag()
+            self._stop.wait(0.5)
+
     def _update_lag(self) -> None:
-        offsets = self.fold.next_offsets()
+        with self.lock:
+            offsets = self.fold.next_offsets()
+        try:
+            bounds = self._bounds(timeout=0)
+        except RecoveryError:
+            return  # broker unreachable: keep the last view; readiness unchanged
         lag = {}
-        for p in range(self.partition_count):
-            try:
-                _, high = self._consumer.get_watermark_offsets(
-                    TopicPartition(self.events_topic, p), timeout=5, cached=False
-                )
-            except KafkaException:
-                return  # broker unreachable: keep the last view; readiness unchanged
+        for p, (_, high) in bounds.items():
             pos = offsets.get(p, self._start_offsets.get(p, 0))
             lag[p] = max(0, high - pos)
             self.metrics.lag.labels(partition=str(p)).set(lag[p])

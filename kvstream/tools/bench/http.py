@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,7 +30,7 @@ import uvicorn
 
 from kvstream.events.model import Stored
 from kvstream.hashing import local_hashes
-from kvstream.replica.replica import Replica
+from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
 from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
 from kvstream.tools.bench.index import make_workload
@@ -199,7 +200,9 @@ def http_bench(
     bodies = [orjson.dumps({"token_ids": p, "query_only": True}) for p in prompts]
     with kafka_env(bootstrap, events_partitions=partitions) as settings:
         produce_records(settings, records, "writing the log")
-        replica = Replica(settings, replica_options(None))
+        # The default readiness threshold: the replica's own startup ticks must not make
+        # it refuse requests while the clients run.
+        replica = Replica(settings, replace(replica_options(None), ready_max_lag=ReplicaOptions().ready_max_lag))
         replica.start()
         try:
             wait_settled(replica, settings, timeout, "replica folding the log")

@@ -20,6 +20,7 @@ from confluent_kafka.admin import AdminClient
 from tqdm import tqdm
 
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
+from kvstream.kafka.errors import BrokerError
 from kvstream.kafka.local_broker import start_local_cluster, stop_local_cluster
 from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica
@@ -39,10 +40,15 @@ def broker(bootstrap: str | None) -> Iterator[str]:
         yield bootstrap
         return
     cluster_dir = tempfile.mkdtemp(prefix="kvstream-bench-kafka-")
+    click.echo("starting a local Kafka broker...", err=True)
     try:
-        click.echo("starting a local Kafka broker...", err=True)
         # owner_pid: the broker stops itself should this process die without cleaning up.
-        yield start_local_cluster(1, cluster_dir, owner_pid=os.getpid()).bootstrap
+        cluster = start_local_cluster(1, cluster_dir, owner_pid=os.getpid())
+    except BrokerError as exc:
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+        raise click.ClickException(f"cannot start the local broker (or pass --bootstrap): {exc}") from None
+    try:
+        yield cluster.bootstrap
     finally:
         stop_local_cluster(cluster_dir)
         shutil.rmtree(cluster_dir, ignore_errors=True)
@@ -154,6 +160,7 @@ def wait_settled(replica: Replica, settings: Settings, timeout: float, desc: str
     targets = high_watermarks(settings)
     while True:
         wait_applied(replica, targets, max(1.0, deadline - time.monotonic()), desc)
+        time.sleep(0.5)  # ticks just produced take a few ms to land
         now = high_watermarks(settings)
         if now == targets:
             break

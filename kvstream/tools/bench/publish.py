@@ -4,28 +4,19 @@ same Kafka messages (pre-encoded bytes) in the same run."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import click
 import msgpack
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Removed, Stored, Tier
-from kvstream.kafka.config import admin_config, consumer_config, producer_config
-from kvstream.kafka.errors import BrokerError
-from kvstream.kafka.local_broker import start_local_cluster, stop_local_cluster
-from kvstream.kafka.topics import ensure_topics
-from kvstream.settings import Settings, TopicSettings
+from kvstream.kafka.config import consumer_config, producer_config
+from kvstream.settings import Settings
 from kvstream.tools.bench.common import emit, json_option
+from kvstream.tools.bench.kafka_env import kafka_env
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
@@ -76,26 +67,6 @@ class _CountingWriter:
         return None
 
 
-@contextmanager
-def _broker(bootstrap: str | None) -> Iterator[str]:
-    if bootstrap:
-        yield bootstrap
-        return
-    cluster_dir = tempfile.mkdtemp(prefix="kvstream-bench-kafka-")
-    click.echo("starting a local Kafka broker...", err=True)
-    try:
-        # owner_pid: the broker stops itself should this process die without cleaning up.
-        cluster = start_local_cluster(1, cluster_dir, owner_pid=os.getpid())
-    except BrokerError as exc:
-        shutil.rmtree(cluster_dir, ignore_errors=True)
-        raise click.ClickException(f"cannot start the local broker (or pass --bootstrap): {exc}") from None
-    try:
-        yield cluster.bootstrap
-    finally:
-        stop_local_cluster(cluster_dir)
-        shutil.rmtree(cluster_dir, ignore_errors=True)
-
-
 def _read_values(settings: Settings, topic: str) -> list[bytes]:
     """Every record value of ``topic``, in order per partition."""
     consumer = Consumer(consumer_config(settings))
@@ -141,16 +112,8 @@ def publish_bench(
     baseline produces the same Kafka messages, already encoded, with the same producer
     settings and waits for them the same way."""
     frames, block_events = engine_frames(messages, blocks, block_size, capacity, seed)
-    with _broker(bootstrap) as servers:
-        settings = Settings(bootstrap=servers, topics=TopicSettings(prefix=f"bench.{uuid.uuid4().hex[:12]}."))
-        ensure_topics(settings)
-        try:
-            result = _run(settings, frames, block_events, Mode(mode))
-        finally:
-            admin = AdminClient(admin_config(settings))
-            names = [n for n in admin.list_topics(timeout=30).topics if n.startswith(settings.topics.prefix)]
-            for future in admin.delete_topics(names, request_timeout=30).values():
-                future.result(timeout=30)
+    with kafka_env(bootstrap) as settings:
+        result = _run(settings, frames, block_events, Mode(mode))
     emit(
         {
             "bench": "publish",

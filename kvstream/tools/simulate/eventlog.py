@@ -205,6 +205,9 @@ class KafkaEventLog:
         for wid, pub in sorted(self._publishers.items()):
             if pub.flush(self.timeout_s):
                 raise EventLogError(f"worker {wid}: Kafka did not acknowledge its events within {self.timeout_s}s")
+            if pub.stats.delivery_failures:
+                # A lost batch would make the routers' view diverge from the workers'.
+                raise EventLogError(f"worker {wid}: Kafka refused {pub.stats.delivery_failures} of its batches")
         try:
             highs = {
                 p: self._consumer.get_watermark_offsets(TopicPartition(self._topic, p), timeout=self.timeout_s,
