@@ -123,6 +123,13 @@ def simulate(
                 # One worker at a time: the router learns them in id order, which is the
                 # candidate order its tie-breaks follow.
                 log.sync(0)
+            with log.routing() as router:
+                missing = sorted(set(range(options.workers)) - {k.worker_id for k in router.workers()})
+            if missing:
+                raise SimulationError(
+                    f"the router does not list workers {missing} after their first record (a `cleared` "
+                    "that starts their epoch), so no request could reach them"
+                )
             results, decisions = _run(requests, options, policy, log, engines, clock, progress)
             agree = log.agree()
             stats = log.stats()
