@@ -148,6 +148,8 @@ class Replica:
         if self.snapshotter is not None:
             self.snapshotter.close(final=True)
         self._producer.flush(10)
+        # Release the clients now: a stopped replica must not keep dialling the broker.
+        self._producer = None  # type: ignore[assignment]
         if self._watermarks is not None:
             self._watermarks.close()
         if self.store is not None:

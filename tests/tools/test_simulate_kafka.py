@@ -17,10 +17,10 @@ from kvstream.worker.consolidator import Mode
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_kafka_and_memory_logs_give_the_same_decisions(kafka_topics: Settings) -> None:
-    reqs = generate(WorkloadOptions(seed=5, sessions=10))
+    reqs = generate(WorkloadOptions(seed=5, sessions=10, tokens_per_id=32))
     # A G1 too small for the workload: evictions, onboarding from G2, every event kind.
     options = SimOptions(workers=3, policy="kv", mode=Mode.PASSTHROUGH, seed=11,
-                         engine=EngineConfig(device_blocks=300, host_blocks=600, disk_blocks=2000))
+                         engine=EngineConfig(device_blocks=120, host_blocks=600, disk_blocks=2000))
 
     def memory(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
         return MemoryEventLog(config, clock, seed)
