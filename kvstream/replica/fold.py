@@ -155,11 +155,9 @@ class LogFold:
                 applied += 1
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        if not known and self.router.index.knows(wid) and not any(
-            p.block_hashes for p in self.router.index.export_worker(wid)
-        ):
-            # Only rejected stores or unknown removes from a worker the index did not
-            # know: they must not make it a routing candidate with no cache at all.
+        if not known and not applied and self.router.index.knows(wid):
+            # Nothing but rejected events from a worker the index did not know: rejected
+            # input must not make it a routing candidate.
             self.router.index.remove_worker(wid)
         return Outcome(
             dlq_reason="; ".join(rejected) if rejected else None,

@@ -81,6 +81,18 @@ def comparable(fold: LogFold) -> tuple:
     return workers, logs, {p: v for p, v in parts.items() if v[0] > 0}
 
 
+def agrees_with_log(replica, settings: Settings) -> LogFold:
+    """Assert that the replica's whole state equals the reference fold of the records it
+    has read (replicas append log-clock ticks, so the log may have grown since);
+    returns that reference fold."""
+    with replica.lock:
+        offsets = replica.fold.next_offsets()
+        mine = comparable(replica.fold)
+    truth = reference_fold([r for r in read_log(settings) if r.offset < offsets.get(r.partition, 0)])
+    assert mine == comparable(truth), f"{replica.replica_id} differs from the reference fold"
+    return truth
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

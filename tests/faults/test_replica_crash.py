@@ -22,10 +22,8 @@ from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.snapshot import SnapshotStore
 
 from tests.faults.helpers import (
-    comparable,
+    agrees_with_log,
     free_port,
-    read_log,
-    reference_fold,
     spawn_router,
     stop_process,
     wait_http,
@@ -101,9 +99,8 @@ def test_kill_9_during_ingest_and_snapshots(kafka_topics_factory, tmp_path: Path
         try:
             assert r.wait_ready(60), f"kill {i}: restarted replica never became ready"
             wait_caught_up(r, settings)
-            truth = reference_fold(read_log(settings))
+            truth = agrees_with_log(r, settings)
             with r.lock:
-                assert comparable(r.fold) == comparable(truth), f"kill {i}: index differs from the reference fold"
                 replayed = {k: r.fold.counters[k] for k in (DUPLICATE, GAP, NO_CLEARED, STALE_EPOCH)}
             # The log is clean (the reference counts none): any count is a re-applied
             # or skipped event after the restart.

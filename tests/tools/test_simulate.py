@@ -17,7 +17,7 @@ from kvstream.tools.simulate.errors import SimulationError, TraceError
 from kvstream.tools.simulate.eventlog import EventLog, MemoryEventLog
 from kvstream.tools.simulate.report import plot, summarize
 from kvstream.tools.simulate.runner import SimClock, SimOptions, simulate
-from kvstream.tools.simulate.trace import Request, TraceOptions, read_mooncake
+from kvstream.tools.simulate.trace import TraceOptions, read_mooncake
 from kvstream.tools.simulate.workload import WorkloadOptions, generate
 from kvstream.worker.consolidator import Consolidator, Mode
 

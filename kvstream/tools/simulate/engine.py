@@ -4,7 +4,7 @@ Bookkeeping is real: a :class:`TieredBlockPool` per worker (G1 device, G2 host, 
 G3 disk) with its eviction, an inline :class:`OffloadEngine` (write-through G1 → G2, the
 disk filter for G3) and the :class:`Onboarder`, all reporting to the worker's
 consolidator, so that the router sees the store/remove events a real worker would send.
-Bytes cost nothing: blocks are 2 bytes (a one-value layout) and prefill never writes
+Bytes cost nothing: blocks are 4 bytes (one fp16 K and V value) and prefill never writes
 them. Time is simulated with :class:`CostModel`.
 
 Scheduling is continuous batching, one step at a time: a step admits waiting requests
@@ -20,9 +20,7 @@ names prompt blocks only.
 from __future__ import annotations
 
 import math
-import tempfile
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,24 +106,23 @@ class StepEnd:
 class SimEngine:
     """One simulated worker (dp rank 0)."""
 
-    def __init__(self, worker_id: int, config: EngineConfig, sink: SourceEventSink, scratch: Path | None = None) -> None:
+    def __init__(self, worker_id: int, config: EngineConfig, sink: SourceEventSink, scratch: Path) -> None:
+        """``scratch``: a directory for the G3 block file."""
         self.worker_id = worker_id
         self.config = config
         self.cost = config.cost
-        # One fp16 value per block: the pool's copies become a few bytes each.
+        # One fp16 K and V value per block: the pool's copies move 4 bytes a block.
         layout = BlockLayout(num_layers=1, block_size=1, kv_heads=1, head_dim=1)
-        self._scratch = None if scratch is not None else tempfile.TemporaryDirectory(prefix="kvstream-sim-")
-        root = scratch if scratch is not None else Path(self._scratch.name)  # type: ignore[union-attr]
         disk = config.disk_blocks or None
         self.pool = TieredBlockPool.create(
             layout,
             config.device_blocks,
             PoolOptions(host_capacity=config.host_blocks, disk_capacity=disk,
-                        disk_path=root / f"worker-{worker_id}.g3" if disk else None, pin_host=False),
+                        disk_path=scratch / f"worker-{worker_id}.g3" if disk else None, pin_host=False),
             sink,
             device=torch.device("cpu"),
         )
-        self.offload = OffloadEngine(self.pool, OffloadOptions(inline=True, batch_blocks=4096, queue_blocks=4096))
+        self.offload = OffloadEngine(self.pool, OffloadOptions(inline=True))
         self.onboarder = Onboarder(self.pool)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
@@ -224,5 +221,3 @@ class SimEngine:
     def close(self) -> None:
         self.offload.close(drain=True)
         self.pool.close()
-        if self._scratch is not None:
-            self._scratch.cleanup()
