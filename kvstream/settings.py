@@ -72,6 +72,8 @@ class ReplicaSettings(BaseModel):
     snapshot_every_s: float = Field(60.0, ge=0)
     ready_max_lag: int = Field(1000, ge=0)
     tick_interval_s: float = Field(5.0, gt=0)
+    #: After a recovery that dropped workers, stay unready until they resync, at most this long.
+    resync_wait_s: float = Field(10.0, ge=0)
     peer_url: str | None = None
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch
+from kvstream.events.model import Cleared, EventBatch, Removed
 from kvstream.router import Router
 
 #: Header that marks a log-clock tick: a record with no events that only advances its
@@ -137,6 +137,7 @@ class LogFold:
         rejected: list[str] = []
         applied = 0
         known = self.router.index.knows(wid)
+        announced = False
         apply_event = self.router.apply_event
         last_ids = log.last_ids
         for i, ev in enumerate(batch.events):
@@ -153,11 +154,13 @@ class LogFold:
             reason = apply_event(ev)
             if reason is None:
                 applied += 1
+                announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        if not known and not applied and self.router.index.knows(wid):
-            # Nothing but rejected events from a worker the index did not know: rejected
-            # input must not make it a routing candidate.
+        if not known and not announced and self.router.index.knows(wid):
+            # A worker becomes a candidate by an accepted store or its `cleared` (an
+            # empty cache is a real worker); rejected stores and removes of blocks it
+            # never had must not make it one.
             self.router.index.remove_worker(wid)
         return Outcome(
             dlq_reason="; ".join(rejected) if rejected else None,

@@ -69,6 +69,9 @@ class ReplicaOptions:
     active_window_s: float = 300.0
     #: A worker is asked to resync at most this often (s).
     resync_min_interval_s: float = 10.0
+    #: After a recovery that dropped workers (retention, recreated topic), stay unready
+    #: until each has resynced (a newer epoch on the log), or at most this long (s).
+    resync_wait_s: float = 10.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
     #: Bearer token of the peer's HTTP API.
@@ -114,6 +117,9 @@ class Replica:
         self.ready_after_s: float | None = None
         self.recovery_notes: list[str] = []
         self._restored = None
+        #: Workers dropped at recovery → the epoch they had; ready waits for newer ones.
+        self._awaiting_resync: dict[int, int] = {}
+        self._awaiting_until = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -199,6 +205,7 @@ class Replica:
         if meta.topic_id and self.topic_id and meta.topic_id != self.topic_id:
             self._note(f"topic id changed ({meta.topic_id} → {self.topic_id}): topic recreated")
             self._request_resync(None, "events topic was recreated since the snapshot")
+            self._await_resync({w: m.epoch for pm in meta.partitions.values() for w, m in pm.workers.items()})
             return offsets
         trusted = set()
         for p, pm in meta.partitions.items():
@@ -216,6 +223,7 @@ class Replica:
             self._note(why)
             for wid in pm.workers:
                 self._request_resync(wid, why)
+            self._await_resync({w: m.epoch for w, m in pm.workers.items()})
         restore_fold(self.fold, meta, blobs, trusted)
         self._restored = meta
         self.metrics.snapshot_loaded_blocks.set(meta.blocks())
@@ -237,6 +245,25 @@ class Replica:
                 if time.monotonic() > deadline:
                     raise RecoveryError(f"cannot read the offsets of {self.events_topic}: {exc}") from None
                 time.sleep(0.2)
+
+    def _await_resync(self, dropped: dict[int, int]) -> None:
+        self._awaiting_resync.update(dropped)
+        self._awaiting_until = time.monotonic() + self.options.resync_wait_s
+
+    def _resyncs_pending(self) -> bool:
+        """Whether a worker dropped at recovery has not resynced yet (and the wait for it
+        has not run out): until then the replica would route without it."""
+        if not self._awaiting_resync:
+            return False
+        with self.lock:
+            workers = self.fold.workers
+            for wid, epoch in list(self._awaiting_resync.items()):
+                if wid in workers and workers[wid].epoch > epoch:
+                    del self._awaiting_resync[wid]
+        if self._awaiting_resync and time.monotonic() >= self._awaiting_until:
+            self._note(f"workers did not resync within {self.options.resync_wait_s}s: {sorted(self._awaiting_resync)}")
+            self._awaiting_resync.clear()
+        return bool(self._awaiting_resync)
 
     def _bootstrap_from_peer(self) -> None:
         from kvstream.replica.peer import fetch_peer_snapshot
@@ -362,7 +389,7 @@ class Replica:
             lag[p] = max(0, high - pos)
             self.metrics.lag.labels(partition=str(p)).set(lag[p])
         self._lag = lag
-        if all(v <= self.options.ready_max_lag for v in lag.values()):
+        if all(v <= self.options.ready_max_lag for v in lag.values()) and not self._resyncs_pending():
             if not self._ready.is_set():
                 self.ready_after_s = time.monotonic() - self.started_at
                 log.info("ready", replica=self.replica_id, after_s=round(self.ready_after_s, 3))

@@ -23,7 +23,7 @@ from kvstream.replica.service import RouteRequest, create_app
 from kvstream.settings import Settings
 
 from tests.faults.helpers import agrees_with_log, comparable
-from tests.replica.helpers import FakeWorkerLog
+from tests.replica.helpers import FakeWorkerLog, new_fold
 from tests.replica.test_replica_kafka import read_all, start, wait_caught_up
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.slow]
@@ -250,3 +250,18 @@ def test_fuzzed_records_and_requests(kafka_topics_factory) -> None:
     print(f"FAULTS fuzz labels={dict(labels)}")
     print(f"FAULTS fuzz reasons={dict(reasons)}")
     print(f"FAULTS fuzz counters={dict(+counters)}")
+
+
+def test_rejected_events_do_not_make_a_worker_routable() -> None:
+    """What the fuzzer found: a record from an unseen worker whose events were all
+    rejected (or removes of blocks it never had) registered that worker in the index,
+    with no blocks, as a routing candidate."""
+    fold = new_fold()
+    w = FakeWorkerLog(9)
+    tokens = list(range(64))
+    orphan = w.stored(tokens, start_block=2)  # its parent was never stored
+    for offset, value in enumerate([w.batch(orphan), w.batch(w.removed(tokens)), w.batch(orphan, w.removed(tokens))]):
+        fold.apply_record(0, offset, offset, value)
+        assert not fold.router.index.knows(9) and fold.router.workers() == []
+    fold.apply_record(0, 3, 3, w.batch(w.stored(tokens)))
+    assert fold.router.index.knows(9)

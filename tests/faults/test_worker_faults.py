@@ -26,7 +26,7 @@ from kvstream.hashing import local_hashes
 from kvstream.kafka.config import admin_config, producer_config
 from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.fold import EXPIRED, GAP, LogFold
-from kvstream.replica.replica import Replica
+from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
 from kvstream.settings import Settings
 from kvstream.worker.consolidator import Consolidator, Mode
@@ -34,7 +34,8 @@ from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 from kvstream.worker.source_events import SourceStored
 
 from tests.faults.helpers import agrees_with_log, read_log, reference_fold
-from tests.replica.test_replica_kafka import high_watermarks, start, wait_caught_up
+from tests.replica.helpers import FakeWorkerLog
+from tests.replica.test_replica_kafka import high_watermarks, produce, start, wait_caught_up
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka]
 
@@ -182,11 +183,10 @@ def _ready_status(replica: Replica) -> int:
         return client.get("/readyz").status_code
 
 
-def _heal_after_loss(
-    settings: Settings, snap: Path, lose: Callable[[], None], note: str, unready_until_healed: bool = False
-) -> None:
+def _heal_after_loss(settings: Settings, snap: Path, lose: Callable[[], None], note: str) -> None:
     """Worker state → replica snapshot → ``lose`` part of the log → restart: the loss is
-    detected, the worker dropped (nothing stale), then its resync heals the replica."""
+    detected, the worker dropped (nothing stale) and the replica unready until the
+    worker's resync heals it."""
     pub, cons = publisher(settings, 44, listen_control=True)
     try:
         store(cons, 500, 6)
@@ -197,17 +197,20 @@ def _heal_after_loss(
         store(cons, 600, 4, rank=1)  # written while no replica runs, then lost too
         assert pub.flush(30) == 0
         lose()
-        r = start(settings, snapshot_dir=snap, resync_min_interval_s=0.0)
+        # The wait for the resync outlasts the test's timeouts: readiness can only come
+        # from the worker's answer.
+        r = Replica(settings, ReplicaOptions(snapshot_dir=snap, tick_interval_s=3600.0,
+                                             resync_min_interval_s=0.0, resync_wait_s=600.0))
+        r.start()
         try:
             assert any(note in n for n in r.recovery_notes), r.recovery_notes
+            wait_caught_up(r, settings)
+            time.sleep(1.0)  # several lag updates: caught up, yet not ready
             with r.lock:
                 assert not r.router.index.knows(44) and 44 not in r.fold.workers
+                assert not r.router.index.workers()  # nothing of the lost log is served
             ready_unhealed = _ready_status(r)
-            if unready_until_healed:
-                assert ready_unhealed == 503, "ready while a dropped worker has not resynced"
-            # Nothing of the lost log is served: no worker is left to route to.
-            with r.lock:
-                assert not r.router.index.workers()
+            assert ready_unhealed == 503 and not r.ready, "ready while a dropped worker has not resynced"
             epoch = pub.epoch
             until(lambda: pub.stats.resyncs == 1, "the worker's resync", tick=lambda: pub.poll(cons))
             assert pub.flush(30) == 0 and pub.epoch > epoch
@@ -215,7 +218,7 @@ def _heal_after_loss(
             with r.lock:
                 healed = blocks(r.fold, 44)
             assert healed == epoch_truth(settings, 44, pub.epoch) and len(healed) == 10
-            assert _ready_status(r) == 200
+            assert r.wait_ready(30) and _ready_status(r) == 200
         finally:
             r.stop()
         agrees_with_log(r, settings)
@@ -245,17 +248,6 @@ def test_offsets_older_than_retention_are_healed_by_resync(kafka_topics: Setting
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(
-    strict=True,
-    reason="Replica readiness only tracks partition lag: after a restart that dropped workers "
-    "(retention, recreated topic) /readyz is 200 before they resync; the replica serves "
-    "without them (never their stale blocks), but issue 9 asks for /readyz false meanwhile",
-)
-def test_readyz_false_until_dropped_workers_resync(kafka_topics: Settings, tmp_path: Path) -> None:
-    _heal_after_loss(kafka_topics, tmp_path / "snap", _retention(kafka_topics), "retention", unready_until_healed=True)
-
-
-@pytest.mark.timeout(180)
 def test_recreated_topic_is_detected_and_healed_by_resync(kafka_topics: Settings, tmp_path: Path) -> None:
     def recreate() -> None:
         admin = AdminClient(admin_config(kafka_topics))
@@ -276,3 +268,30 @@ def _try_create(settings: Settings) -> bool:
     except TopicError:
         return False
     return True
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_worker_that_never_resyncs_delays_readiness_only_for_the_wait(
+    kafka_topics: Settings, tmp_path: Path
+) -> None:
+    w = FakeWorkerLog(45)  # a worker that is gone: nobody answers its resync request
+    produce(kafka_topics, [(45, w.batch(w.cleared(), w.stored(list(range(64)))))])
+    first = start(kafka_topics, snapshot_dir=tmp_path / "snap")
+    wait_caught_up(first, kafka_topics)
+    first.stop()
+    produce(kafka_topics, [(45, w.batch())])  # its last heartbeat, past the snapshot
+    _retention(kafka_topics)()
+    wait_s = 3.0
+    t0 = time.monotonic()
+    opts = ReplicaOptions(snapshot_dir=tmp_path / "snap", tick_interval_s=3600.0, resync_wait_s=wait_s)
+    r = Replica(kafka_topics, opts)
+    r.start()
+    try:
+        assert r.wait_ready(30)
+        waited = time.monotonic() - t0
+        assert any("did not resync within" in n for n in r.recovery_notes), r.recovery_notes
+        with r.lock:
+            assert not r.router.index.knows(45)
+    finally:
+        r.stop()
+    assert waited >= wait_s
