@@ -26,8 +26,9 @@ def test_hashing_bench() -> None:
 
 def test_index_and_route_benches() -> None:
     r = run(["index", "--json", "--blocks", "20000", "--workers", "8", "--queries", "100", "--prompt-blocks", "160"])
-    for key in ("apply_blocks_per_s", "match_p50_us", "match_p99_us", "bytes_per_block"):
+    for key in ("apply_blocks_per_s", "match_p50_us", "match_p99_us"):
         assert r[key] > 0, key
+    assert r["bytes_per_block"] >= 0  # an RSS delta: at this tiny size it may round to 0
     r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "50", "--prompt-blocks", "160"])
     for key in ("route_p50_us", "route_p99_us", "decisions_per_s"):
         assert r[key] > 0, key
