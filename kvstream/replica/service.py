@@ -67,7 +67,7 @@ def create_app(replica: Replica, token: str | None = None) -> FastAPI:
     app = FastAPI(title="kvstream replica", version="1")
     metrics = replica.metrics
 
-    def check_token(request: Request) -> None:
+    async def check_token(request: Request) -> None:
         if token is None:
             return
         given = request.headers.get("authorization", "")
