@@ -8,6 +8,7 @@ The file is named by ``--config`` or ``KVSTREAM_CONFIG``.
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -136,5 +137,7 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise SettingsError(f"invalid settings: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {_config_file} is not valid TOML: {exc}") from None
     finally:
         _config_file = None
