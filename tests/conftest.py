@@ -5,6 +5,7 @@ engine answers, or the local broker of ops/kafka/broker.sh."""
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -66,6 +67,9 @@ def _local_kafka() -> Iterator[str]:
         nonlocal done
         if not done:
             done = True
+            # Kafka clients that tests left for the garbage collector go first, so that
+            # they do not spend the end of the session dialling a stopped broker.
+            gc.collect()
             stop_local_cluster(cluster_dir)
             shutil.rmtree(cluster_dir, ignore_errors=True)
 
