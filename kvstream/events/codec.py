@@ -11,15 +11,14 @@ little-endian u64 ``bytes``, and u64 values carried by Avro ``long`` as the same
 
 Decoding is a trust boundary: whatever the bytes, it returns a whole value or raises
 ``DecodeError`` (with a reason code), never another exception and never part of a batch.
-The body decoder is fastavro's compiled one. It stays bounded on hostile input because
-it reads ``bytes`` through ``BytesIO.read`` (a length prefix of 2^60 gets what is left
-and fails, nothing is allocated up front) and because every array item takes at least
-one byte (checked when schemas load), so a huge item count runs out of input. It is
-lenient about non-canonical varints and negative enum or union indexes (they decode to
-some in-range value, as a bit flip inside a canonical encoding would); the event-level
-checks below still reject anything the router could not apply. A strict hand-written
-reader of the v1 layout in pure Python measured no faster than fastavro plus
-``struct`` unpacking of the hashes, and would have to re-implement schema resolution.
+Every body is first checked by the compiled strict walk of kvstream.events.strict, which
+refuses what Apache Avro's reference decoders refuse (enum and union indexes out of
+range, negative included; varints over 64 bits; bad lengths) and finds where the record
+ends; then fastavro's compiled reader decodes it, with schema resolution. Both stay
+bounded on hostile input: lengths are checked against what is left before anything is
+read, and every array item takes at least one byte (checked when schemas load), so a
+huge item count runs out of input. Checking first and decoding with fastavro measured
+faster than any strict decoder in Python (kvstream bench codec; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from fastavro import schemaless_reader, schemaless_writer
 from kvstream.events.errors import DecodeError, EncodeError, EventError
 from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.events.schemas import SchemaStore, SchemaVersion
+from kvstream.events.strict import StrictLayout
 
 MARKER = b"\xc3\x01"
 HEADER_LEN = len(MARKER) + 8
@@ -54,13 +54,14 @@ class AvroCodec:
 
     def __init__(self, store: SchemaStore | None = None) -> None:
         self.store = store if store is not None else SchemaStore()
-        # fingerprint → (record name, writer schema, reader schema or None when the
-        # writer is the current version: fastavro then skips resolution, the fast path).
-        self._readers: dict[bytes, tuple[str, Any, Any]] = {}
+        # fingerprint → (record name, strict check of the writer's layout, writer schema,
+        # reader schema or None when the writer is the current version: fastavro then
+        # skips resolution, the fast path).
+        self._readers: dict[bytes, tuple[str, StrictLayout, Any, Any]] = {}
         for sv in self.store.all_versions():
             current = self.store.current(sv.name)
             reader = None if current is sv else current.parsed
-            self._readers[sv.fingerprint] = (sv.name, sv.parsed, reader)
+            self._readers[sv.fingerprint] = (sv.name, StrictLayout(sv.name, sv.parsed), sv.parsed, reader)
 
     def fingerprint(self, name: str) -> bytes:
         """Wire fingerprint (8 bytes) of the current version of ``name``."""
@@ -99,19 +100,18 @@ class AvroCodec:
         entry = self._readers.get(fp)
         if entry is None:
             raise DecodeError(f"unknown writer schema fingerprint {fp.hex()}", reason="fingerprint")
-        name, writer, reader = entry
+        name, layout, writer, reader = entry
+        if type(data) is not bytes:
+            data = bytes(data)
+        end = layout.end_of(data, HEADER_LEN)
+        if end != len(data):
+            raise DecodeError(f"{len(data) - end} bytes after the end of the {name} record")
         body = BytesIO(data)
         body.seek(HEADER_LEN)
         try:
             record = schemaless_reader(body, writer, reader)
-        except EOFError as exc:  # fastavro's message, when any, says which length ran out
-            detail = f" ({exc})" if str(exc) else ""
-            raise DecodeError(f"{name} body ends too early{detail}", reason="truncated") from None
-        except Exception as exc:  # other malformed bodies surface as IndexError, ValueError...
+        except Exception as exc:  # past the strict check: a schema resolution failure
             raise DecodeError(f"malformed {name} body: {_detail(exc)}") from None
-        end = body.tell()
-        if end != len(data):
-            raise DecodeError(f"{len(data) - end} bytes after the end of the {name} record")
         return name, record
 
 
