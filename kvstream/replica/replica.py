@@ -33,10 +33,11 @@ from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.errors import RecoveryError
-from kvstream.replica.fold import TICK_HEADER, LogFold
+from kvstream.replica.fold import LogFold
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
+from kvstream.replica.ticks import TickCodec, Ticker, is_tick
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
 from kvstream.router.errors import RouterError
@@ -63,7 +64,7 @@ class ReplicaOptions:
     ready_max_lag: int = 1000
     #: Records per consume() call.
     consume_batch: int = 2000
-    #: Log-clock ticks to every events partition, this often (s).
+    #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
     tick_interval_s: float = 5.0
     #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
     active_window_s: float = 300.0
@@ -110,7 +111,7 @@ class Replica:
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
-        self._last_tick = float("-inf")
+        self._ticker = Ticker(self.replica_id, self.options.tick_interval_s, self._produce_tick, TickCodec(self.codec))
         self.topic_id: str | None = None
         self.partition_count = 0
         self.started_at = time.monotonic()
@@ -315,9 +316,7 @@ class Replica:
                     log.warning("consume error", error=str(err))
                 continue
             records += 1
-            headers = m.headers()
-            is_tick = bool(headers) and any(k == TICK_HEADER for k, _ in headers)
-            out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick)
+            out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(m.headers()))
             m_applied += out.applied_events
             if out.dlq_reason is not None:
                 self._to_dlq(m, out.dlq_reason)
@@ -363,12 +362,16 @@ class Replica:
         self._producer.poll(0)
 
     def _housekeeping(self) -> None:
-        now = time.monotonic()
-        if now - self._last_tick >= self.options.tick_interval_s:
-            self._last_tick = now
-            for p in range(self.partition_count):
-                self._producer.produce(self.events_topic, value=None, partition=p, headers=[(TICK_HEADER, b"")])
+        with self.lock:
+            self._ticker.step(self.fold)
         self._producer.poll(0)
+
+    def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self.metrics.ticks.inc()
+        self._producer.produce(
+            self.events_topic, value=value, key=key, partition=partition, headers=headers,
+            on_delivery=self._delivery,
+        )
 
     def _lag_loop(self) -> None:
         # Its own thread: a slow broker answer must never stall ingest.
