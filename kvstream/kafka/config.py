@@ -46,7 +46,9 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
 
 CONSUMER_DEFAULTS: dict[str, Any] = {
     # A replica assigns partitions itself and keeps offsets in its snapshot (DESIGN.md §7):
-    # nothing is ever committed, and a missing offset is an error, never a silent jump.
+    # nothing is committed automatically or read back (a replica commits its positions
+    # explicitly, for lag tooling only: kvstream.replica.positions), and a missing
+    # offset is an error, never a silent jump.
     "enable.auto.commit": False,
     "enable.auto.offset.store": False,
     "auto.offset.reset": "error",
@@ -94,8 +96,8 @@ def new_replica_group_id() -> str:
 def consumer_config(
     settings: Settings, *, group_id: str | None = None, **overrides: Any
 ) -> dict[str, Any]:
-    """Settings for a replica's consumer: a unique group that never commits
-    (``group_id`` defaults to a fresh ``kvstream-replica-<uuid>``)."""
+    """Settings for a consumer that assigns its partitions itself: ``group_id`` defaults
+    to a fresh ``kvstream-replica-<uuid>`` that nothing commits to."""
     return {
         **_base(settings, "kvstream-replica"),
         "group.id": group_id or new_replica_group_id(),

@@ -35,6 +35,7 @@ from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.errors import RecoveryError
 from kvstream.replica.fold import LogFold
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.ticks import TickCodec, Ticker, is_tick
@@ -73,6 +74,9 @@ class ReplicaOptions:
     #: After a recovery that dropped workers (retention, recreated topic), stay unready
     #: until each has resynced (a newer epoch on the log), or at most this long (s).
     resync_wait_s: float = 10.0
+    #: Commit read positions to this replica's own consumer group this often (s), for
+    #: Kafka's lag tooling (kvstream.replica.positions); 0: never.
+    commit_interval_s: float = 1.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
     #: Bearer token of the peer's HTTP API.
@@ -128,7 +132,13 @@ class Replica:
         """Recover (snapshot, offset checks, resync) and start the threads."""
         offsets = self._recover()
         self._start_offsets = offsets
-        self._consumer = Consumer(consumer_config(self.settings))
+        self._consumer = Consumer(
+            consumer_config(self.settings, group_id=replica_group_id(self.replica_id),
+                            on_commit=commit_callback(self._commit_failed))
+        )
+        self._positions = PositionCommitter(
+            self._consumer, self.events_topic, self.options.commit_interval_s, self._commit_failed
+        )
         self._consumer.assign(
             [TopicPartition(self.events_topic, p, o) for p, o in sorted(offsets.items())]
         )
@@ -302,7 +312,16 @@ class Replica:
             self._ready.clear()
             raise
         finally:
+            self._positions.final(self._read_positions())
             consumer.close()
+
+    def _read_positions(self) -> dict[int, int]:
+        with self.lock:
+            return {**self._start_offsets, **self.fold.next_offsets()}
+
+    def _commit_failed(self, error: str) -> None:
+        self.metrics.commit_failures.inc()
+        log.warning("position commit failed", replica=self.replica_id, error=error)
 
     def _apply_messages(self, msgs: list) -> None:
         fold = self.fold
@@ -364,6 +383,7 @@ class Replica:
     def _housekeeping(self) -> None:
         with self.lock:
             self._ticker.step(self.fold)
+        self._positions.step(self._read_positions())
         self._producer.poll(0)
 
     def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:

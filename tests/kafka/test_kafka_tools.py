@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
+from kvstream.events.model import Tier
 from kvstream.hashing import local_hashes
+from kvstream.kafka.config import consumer_config
 from kvstream.kafka.local_broker import run_tool
+from kvstream.replica.positions import replica_group_id
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.settings import Settings
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 from kvstream.worker.source_events import SourceStored
-from kvstream.events.model import Tier
 
-from tests.replica.test_replica_kafka import high_watermarks, wait_caught_up
+from tests.replica.test_replica_kafka import high_watermarks, log_records, produce, start, wait_caught_up
 
 pytestmark = pytest.mark.kafka
 
@@ -92,3 +96,57 @@ def test_console_consumer_reads_the_whole_events_topic(kafka_topics: Settings) -
     keys = {(m[3], int(m[4])) for m in rows}
     assert keys <= {("NO_HEADERS", 7), ("NO_HEADERS", 8), ("kvstream-tick:", -1)}, keys
     assert ("kvstream-tick:", -1) in keys and ("NO_HEADERS", 7) in keys
+
+
+def committed(settings: Settings, group: str) -> dict[int, int]:
+    topic = settings.topics.name("events")
+    c = Consumer(consumer_config(settings, group_id=group))
+    try:
+        tps = c.committed([TopicPartition(topic, p) for p in high_watermarks(settings)], timeout=10)
+        return {tp.partition: tp.offset for tp in tps if tp.offset >= 0}
+    finally:
+        c.close()
+
+
+def describe(settings: Settings, group: str) -> dict[int, tuple[int, int, int]]:
+    """partition → (CURRENT-OFFSET, LOG-END-OFFSET, LAG), as kafka-consumer-groups
+    --describe prints them."""
+    out = run_tool("consumer-groups", "--bootstrap-server", settings.bootstrap, "--describe", "--group", group)
+    assert out.returncode == 0, out.stderr[-3000:]
+    topic = settings.topics.name("events")
+    rows = {}
+    for line in out.stdout.splitlines():
+        cols = line.split()
+        if len(cols) >= 6 and cols[0] == group and cols[1] == topic:
+            rows[int(cols[2])] = (int(cols[3]), int(cols[4]), int(cols[5]))
+    assert rows, out.stdout
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_consumer_groups_shows_each_replicas_lag(kafka_topics: Settings) -> None:
+    """Each replica commits its read positions to its own group: Kafka's
+    kafka-consumer-groups --describe shows one caught up and one stopped behind."""
+    records, _ = log_records(5)
+    half = len(records) // 2
+    produce(kafka_topics, records[:half])
+    ids = [f"lag-{name}-{uuid.uuid4().hex[:6]}" for name in "ab"]
+    a, b = (start(kafka_topics, replica_id=i, commit_interval_s=0.1) for i in ids)
+    try:
+        wait_caught_up(b, kafka_topics)
+        b.stop()  # commits its last positions and stays behind from here
+        b_positions = b._read_positions()
+        produce(kafka_topics, records[half:])
+        wait_caught_up(a, kafka_topics)
+        a_positions = a._read_positions()
+        until(lambda: committed(kafka_topics, replica_group_id(ids[0])) == a_positions, "replica a's commit")
+        high = high_watermarks(kafka_topics)
+        assert a_positions == high  # caught up: everything read
+        assert committed(kafka_topics, replica_group_id(ids[1])) == b_positions
+        shown_a = describe(kafka_topics, replica_group_id(ids[0]))
+        shown_b = describe(kafka_topics, replica_group_id(ids[1]))
+    finally:
+        a.stop()
+    assert shown_a == {p: (high[p], high[p], 0) for p in high}
+    assert shown_b == {p: (b_positions[p], high[p], high[p] - b_positions[p]) for p in high}
+    assert sum(lag for _, _, lag in shown_b.values()) == len(records) - half
