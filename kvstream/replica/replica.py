@@ -109,7 +109,8 @@ class Replica:
         self.snapshotter: Snapshotter | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id}))
+        # Load ops must reach the peers at once; a replica's few records need no batching.
+        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
         self._lag: dict[int, int] = {}
         self._start_offsets: dict[int, int] = {}
         self._watermarks: Consumer | None = None
