@@ -6,7 +6,8 @@
 //! (or whose tenth byte carries bits beyond 64) wraps into some value. Apache Avro's
 //! reference decoders reject all of these. This walk rejects them too, in one pass over
 //! the writer schema's layout, so that fastavro only ever sees bodies the references
-//! accept. tests/events/strict_reference.py is the plain model of the same rules.
+//! accept. tests/events/test_avro_oracle.py checks the result against Apache Avro's
+//! reference Python decoder.
 //!
 //! The schema arrives as a flat list of nodes (kvstream/events/strict.py builds it from
 //! fastavro's parsed form); children are node indexes, so named and recursive types are
