@@ -44,15 +44,15 @@ class PositionCommitter:
         self._last_time = float("-inf")
         self._last: dict[int, int] = {}
 
-    def step(self, positions: dict[int, int]) -> bool:
-        """Commit asynchronously if due and changed; returns whether it did."""
-        if self.interval_s <= 0:
-            return False
+    def step(self, positions: Callable[[], dict[int, int]]) -> bool:
+        """If due, commit ``positions()`` asynchronously when they moved; returns
+        whether it committed."""
         now = time.monotonic()
-        if now - self._last_time < self.interval_s or positions == self._last:
+        if self.interval_s <= 0 or now - self._last_time < self.interval_s:
             return False
         self._last_time = now
-        return self._commit(positions, asynchronous=True)
+        current = positions()
+        return current != self._last and self._commit(current, asynchronous=True)
 
     def final(self, positions: dict[int, int]) -> None:
         """On stop: the last positions, waiting for the broker's answer."""

@@ -384,7 +384,7 @@ class Replica:
     def _housekeeping(self) -> None:
         with self.lock:
             self._ticker.step(self.fold)
-        self._positions.step(self._read_positions())
+        self._positions.step(self._read_positions)
         self._producer.poll(0)
 
     def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:

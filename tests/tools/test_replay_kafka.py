@@ -357,7 +357,7 @@ def test_follow_tails_the_live_log_and_stops_cleanly_on_ctrl_c(kafka_topics: Set
         assert json.loads(proc.stdout.readline())["kind"] == "cleared"  # the existing record
         produce(kafka_topics, [(8, w.batch(w.stored(list(range(32)))))])
         row = json.loads(proc.stdout.readline())  # a record published after the start
-        assert (row["kind"], row["event_id"]) == ("stored", 1)
+        assert (row["kind"], row["event_id"]) == ("stored", "1")  # 64-bit values as strings
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
