@@ -313,10 +313,12 @@ class Replica:
             self._ready.clear()
             raise
         finally:
-            self._positions.final(self._read_positions())
+            self._positions.final(self.positions())
             consumer.close()
 
-    def _read_positions(self) -> dict[int, int]:
+    def positions(self) -> dict[int, int]:
+        """Next offset to read per partition: where the fold is, else where reading
+        started (a partition with nothing new since the snapshot)."""
         with self.lock:
             return {**self._start_offsets, **self.fold.next_offsets()}
 
@@ -384,7 +386,7 @@ class Replica:
     def _housekeeping(self) -> None:
         with self.lock:
             self._ticker.step(self.fold)
-        self._positions.step(self._read_positions)
+        self._positions.step(self.positions)
         self._producer.poll(0)
 
     def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
@@ -401,16 +403,14 @@ class Replica:
             self._stop.wait(0.5)
 
     def _update_lag(self) -> None:
-        with self.lock:
-            offsets = self.fold.next_offsets()
+        offsets = self.positions()
         try:
             bounds = self._bounds(timeout=0)
         except RecoveryError:
             return  # broker unreachable: keep the last view; readiness unchanged
         lag = {}
         for p, (_, high) in bounds.items():
-            pos = offsets.get(p, self._start_offsets.get(p, 0))
-            lag[p] = max(0, high - pos)
+            lag[p] = max(0, high - offsets.get(p, 0))
             self.metrics.lag.labels(partition=str(p)).set(lag[p])
         self._lag = lag
         if all(v <= self.options.ready_max_lag for v in lag.values()) and not self._resyncs_pending():

@@ -135,10 +135,10 @@ def test_consumer_groups_shows_each_replicas_lag(kafka_topics: Settings) -> None
     try:
         wait_caught_up(b, kafka_topics)
         b.stop()  # commits its last positions and stays behind from here
-        b_positions = b._read_positions()
+        b_positions = b.positions()
         produce(kafka_topics, records[half:])
         wait_caught_up(a, kafka_topics)
-        a_positions = a._read_positions()
+        a_positions = a.positions()
         until(lambda: committed(kafka_topics, replica_group_id(ids[0])) == a_positions, "replica a's commit")
         high = high_watermarks(kafka_topics)
         assert a_positions == high  # caught up: everything read
