@@ -30,6 +30,8 @@ from typing import Any
 
 from fastavro import schemaless_reader, schemaless_writer
 
+from kvstream._native import encode_event_batch
+
 from kvstream.events.errors import DecodeError, EncodeError, EventError
 from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.events.schemas import SchemaStore, SchemaVersion
@@ -119,6 +121,9 @@ class AvroCodec:
 
 _TIER_BY_SYMBOL: dict[str, Tier] = {tier.name: tier for tier in Tier}
 _SYMBOL_BY_TIER: dict[Tier, str] = {tier: tier.name for tier in Tier}  # Enum.name is slow
+#: schemas/kvstream.events.EventBatch/v1.avsc, the layout kvstream._native.encode_event_batch writes.
+_V1_FINGERPRINT = bytes.fromhex("6dfb51447f47a578")
+_KIND_SYMBOLS: dict[type, str] = {Stored: "STORED", Removed: "REMOVED", Cleared: "CLEARED"}
 _STRUCTS: dict[int, struct.Struct] = {}
 _MAX_CACHED_STRUCTS = 1024
 
@@ -162,8 +167,41 @@ class EventCodec:
 
     def __init__(self, codec: AvroCodec | None = None) -> None:
         self.codec = codec if codec is not None else AvroCodec()
+        current = self.codec.schema(EVENT_BATCH)
+        # The compiled writer knows v1's layout; with another current schema (pinned,
+        # newer, a test's) every batch takes the generic path.
+        self._fast = current.fingerprint == _V1_FINGERPRINT
+        self._header = MARKER + current.fingerprint
+        event = current.parsed["fields"][3]["type"]["items"]["fields"]
+        tiers, kinds = event[1]["type"]["symbols"], event[3]["type"]["symbols"]
+        self._tier_index = {tier: tiers.index(tier.name) for tier in Tier}
+        self._kind_index = {cls: kinds.index(name) for cls, name in _KIND_SYMBOLS.items()}
 
     def encode(self, batch: EventBatch) -> bytes:
+        if self._fast:
+            # The compiled writer of the same bytes (tests compare both); anything it
+            # refuses (a value out of range, not a model object) goes the generic way,
+            # which says precisely what is wrong.
+            try:
+                return self._encode_fast(batch)
+            except (OverflowError, TypeError, KeyError, AttributeError):
+                pass
+        return self._encode_generic(batch)
+
+    def _encode_fast(self, batch: EventBatch) -> bytes:
+        tier_index, kind_index = self._tier_index, self._kind_index
+        events = tuple(
+            (
+                kind_index[type(ev)], ev.dp_rank, tier_index[ev.tier], ev.event_id,
+                ev.parent_hash if type(ev) is Stored else None,
+                ev.block_hashes if type(ev) is not Cleared else (),
+                ev.tokens_hashes if type(ev) is Stored else (),
+            )
+            for ev in batch.events
+        )
+        return encode_event_batch(self._header, batch.worker_id, batch.epoch, batch.lease_ms, events)
+
+    def _encode_generic(self, batch: EventBatch) -> bytes:
         try:
             record = self._batch_record(batch)
         except (TypeError, KeyError, AttributeError) as exc:  # not ints, not a Tier...

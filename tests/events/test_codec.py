@@ -377,3 +377,26 @@ def test_fuzz_every_live_schema(fp: bytes, body: bytes) -> None:
         return
     assert AVRO.store.by_fingerprint(fp).name == name
     assert isinstance(record, dict)
+
+
+# --- the compiled writer against the generic one ------------------------------------------
+
+
+@given(event_batches())
+@settings(max_examples=300, deadline=None)
+def test_compiled_writer_writes_the_generic_bytes(batch: EventBatch) -> None:
+    assert CODEC._fast
+    assert CODEC._encode_fast(batch) == CODEC._encode_generic(batch)
+
+
+def test_compiled_writer_refusals_get_the_generic_errors() -> None:
+    """Values the compiled writer cannot take fall back to the generic path, which names
+    the field; a pinned or other schema version never uses the compiled writer."""
+    for bad, text in (
+        (EventBatch(1, 1, 0, (Cleared(1, 1 << 32, Tier.DEVICE, 1, 1),)), "dp_rank"),
+        (EventBatch(1, 1, -1, ()), "lease_ms"),
+    ):
+        with pytest.raises(EncodeError, match=text):
+            CODEC.encode(bad)
+    other = EventCodec(AvroCodec(SchemaStore(Path(__file__).parent / "data" / "schemas")))
+    assert not other._fast
