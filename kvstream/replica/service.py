@@ -63,6 +63,23 @@ class RouteRequest(BaseModel):
     explain: bool = False
 
 
+class RouteQuery(BaseModel):
+    """The fields of a binary route request (``application/octet-stream``: the body is
+    the token ids as little-endian u32, validated in the compiled core), as query
+    parameters. Per-request weights need the JSON form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    lora_name: str | None = Field(None, max_length=256)
+    query_only: bool = False
+    explain: bool = False
+
+
+#: The binary body of a route request: little-endian u32 token ids.
+BINARY_PROMPT = "application/octet-stream"
+
+
 def create_app(replica: Replica, token: str | None = None) -> FastAPI:
     app = FastAPI(title="kvstream replica", version="1")
     metrics = replica.metrics
@@ -92,14 +109,21 @@ def create_app(replica: Replica, token: str | None = None) -> FastAPI:
         # Parsed straight from the bytes (pydantic's JSON parser): a prompt is thousands
         # of ints, and FastAPI's json.loads + validation would cost several times more.
         # Async: no thread-pool hop; the decision itself is CPU-bound under the lock anyway.
+        raw = await request.body()
+        binary = request.headers.get("content-type", "").split(";")[0].strip() == BINARY_PROMPT
         try:
-            body = RouteRequest.model_validate_json(await request.body())
+            if binary:
+                if len(raw) > 4 * MAX_TOKENS:
+                    raise HTTPException(413, f"prompt of {len(raw)} bytes exceeds {MAX_TOKENS} tokens")
+                body: RouteRequest | RouteQuery = RouteQuery.model_validate(dict(request.query_params))
+            else:
+                body = RouteRequest.model_validate_json(raw)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
         if not replica.ready:
             raise HTTPException(503, "replica is not ready (catching up with the log)")
         overrides = None
-        if body.weights is not None:
+        if isinstance(body, RouteRequest) and body.weights is not None:
             w = body.weights.model_dump()
             if w["allowed_workers"] is not None:
                 w["allowed_workers"] = frozenset(w["allowed_workers"])
@@ -107,7 +131,8 @@ def create_app(replica: Replica, token: str | None = None) -> FastAPI:
         t0 = time.perf_counter()
         try:
             decision = replica.route(
-                body.token_ids, body.lora_name, body.request_id, body.query_only, overrides
+                raw if isinstance(body, RouteQuery) else body.token_ids,
+                body.lora_name, body.request_id, body.query_only, overrides,
             )
         except NoEligibleWorkerError as exc:
             raise HTTPException(503, str(exc)) from None

@@ -128,7 +128,7 @@ class Router:
 
     def find_best_match(
         self,
-        token_ids: TokenIds,
+        token_ids: PromptTokens,
         lora_name: str | None = None,
         request_id: str | None = None,
         query_only: bool = False,
