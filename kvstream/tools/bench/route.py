@@ -3,7 +3,10 @@ second for 8k-token prompts, with a breakdown (hashing, matching, scoring).
 
 The index is the ``kvstream bench index`` workload; prompts are token lists whose blocks
 are those of held conversations (so matches are real), continued with fresh tokens.
-Every timed decision adds its request to the active sequences and one in two is freed
+The decision is the compiled one (kvstream.router.core), timed with prompts as Python
+lists and as numpy uint32 buffers, against the Python reference model
+(``RouterConfig(compiled=False)``) over the same index in the same run. Every timed
+decision adds its request to the active sequences and one in two is freed
 again, so the scheduler scores loaded workers (``route_*``); ``decisions_per_s`` and
 ``query_only_*`` time query-only decisions against that load. The baseline is the same decision with a plain
 per-block xxhash loop for the prompt hashes (the hashing bench's baseline).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections.abc import Sequence
 
 import click
 import numpy as np
@@ -70,21 +74,38 @@ def route_bench(
         )
     del tokens_of
 
+    # The Python reference model (active.py + scheduler.py) over the same index, fed
+    # the same decisions: the baseline of the compiled decision.
+    reference = Router(
+        RouterConfig(block_size=block_size, compiled=False), clock=time.monotonic, rng=random.Random(seed)
+    )
+    reference.index = router.index
+    buffers = [np.array(p, dtype=np.uint32) for p in prompts]
     counter = iter(range(10**9))
 
-    def decide(tokens: list[int]) -> None:
+    def decide(r: Router, tokens: Sequence[int] | np.ndarray) -> None:
         i = next(counter)
-        router.find_best_match(tokens, request_id=f"r{i}")
+        r.find_best_match(tokens, request_id=f"r{i}")
         if i % 2:
-            router.free(f"r{i}")
+            r.free(f"r{i}")
+
+    def rate(r: Router, inputs: Sequence[Sequence[int] | np.ndarray]) -> float:
+        t0 = time.perf_counter()
+        for p in inputs[:500]:
+            r.find_best_match(p, query_only=True)
+        return min(500, len(inputs)) / (time.perf_counter() - t0)
 
     gc.collect()
     it = iter(prompts)
-    samples = time_calls(lambda: decide(next(it)), len(prompts))
-    t0 = time.perf_counter()
-    for p in prompts[:500]:
-        router.find_best_match(p, query_only=True)
-    decisions_per_s = min(500, len(prompts)) / (time.perf_counter() - t0)
+    samples = time_calls(lambda: decide(router, next(it)), len(prompts))
+    it_buf = iter(buffers)
+    samples_buf = time_calls(lambda: decide(router, next(it_buf)), len(buffers))
+    n_ref = max(50, len(prompts) // 4)
+    it_ref = iter(prompts)
+    samples_ref = time_calls(lambda: decide(reference, next(it_ref)), n_ref)
+    decisions_per_s = rate(router, prompts)
+    decisions_per_s_buffer = rate(router, buffers)
+    decisions_per_s_ref = rate(reference, prompts[:n_ref])
 
     # Breakdown on the same prompts: each stage alone.
     it = iter(prompts)
@@ -103,6 +124,8 @@ def route_bench(
     t_base_hash = time_calls(lambda: hashing.py_block_hashes(next(it3), block_size, seed_, True), n_base)
 
     p50, p99 = percentiles_us(samples, 50, 99)
+    buf50, buf99 = percentiles_us(samples_buf, 50, 99)
+    ref50, ref99 = percentiles_us(samples_ref, 50, 99)
     h50, _ = percentiles_us(t_hash, 50, 99)
     m50, m99 = percentiles_us(t_match, 50, 99)
     b50, _ = percentiles_us(t_base_hash, 50, 99)
@@ -117,9 +140,22 @@ def route_bench(
             "prompt_tokens": prompt_blocks * block_size,
             "requests": len(prompts),
             "active_requests_at_end": len(router.active),
+            # The compiled decision (kvstream.router.core), prompts as Python lists.
             "route_p50_us": p50,
             "route_p99_us": p99,
+            # The same, prompts as numpy uint32 buffers.
+            "route_buffer_p50_us": buf50,
+            "route_buffer_p99_us": buf99,
             "decisions_per_s": round(decisions_per_s),
+            "decisions_per_s_buffer": round(decisions_per_s_buffer),
+            # The Python reference model (RouterConfig(compiled=False)), same index and
+            # prompts, in the same run.
+            "reference_route_p50_us": ref50,
+            "reference_route_p99_us": ref99,
+            "reference_decisions_per_s": round(decisions_per_s_ref),
+            "route_p50_speedup_vs_reference": round(ref50 / p50, 2),
+            "route_buffer_p50_speedup_vs_reference": round(ref50 / buf50, 2),
+            "decisions_speedup_vs_reference": round(decisions_per_s / decisions_per_s_ref, 2),
             # Query-only decisions (no active-sequence op applied).
             "query_only_p50_us": q50,
             "query_only_p99_us": q99,
@@ -128,9 +164,6 @@ def route_bench(
             "matching_p50_us": m50,
             "matching_p99_us": m99,
             "load_lookup_p50_us": l50,
-            # The rest of a decision: building the candidate columns, scoring,
-            # selection, and adding the request to the active sequences.
-            "scoring_and_rest_p50_us": round(p50 - h50 - m50 - l50, 3),
             # Derived: the measured route p50 with the measured per-block xxhash loop
             # in place of the kernel for the prompt hashes.
             "baseline": "route with per-block xxhash loop hashing (derived from measured parts)",
