@@ -24,7 +24,8 @@ import numpy as np
 
 from kvstream import hashing
 from kvstream.router import Router, RouterConfig
-from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
+from kvstream.tools.bench.common import dynamo_option, emit, json_option, percentiles_us, time_calls
+from kvstream.tools.bench.dynamo_peer import side_by_side
 from kvstream.tools.bench.index import make_workload
 
 
@@ -35,6 +36,7 @@ from kvstream.tools.bench.index import make_workload
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--prompt-blocks", default=512, show_default=True, help="512 blocks of 16 = 8k tokens.")
 @click.option("--seed", default=0, show_default=True)
+@dynamo_option
 @json_option
 def route_bench(
     n_blocks: int,
@@ -43,6 +45,7 @@ def route_bench(
     block_size: int,
     prompt_blocks: int,
     seed: int,
+    with_dynamo: bool,
     as_json: bool,
 ) -> None:
     """find_best_match p50/p99 (hashing included) and decisions/s, with a breakdown."""
@@ -123,6 +126,7 @@ def route_bench(
     n_base = max(20, len(prompts) // 10)
     t_base_hash = time_calls(lambda: hashing.py_block_hashes(next(it3), block_size, seed_, True), n_base)
 
+    peer = side_by_side(w.events, [local for local, _ in w.queries]) if with_dynamo else None
     p50, p99 = percentiles_us(samples, 50, 99)
     buf50, buf99 = percentiles_us(samples_buf, 50, 99)
     ref50, ref99 = percentiles_us(samples_ref, 50, 99)
@@ -170,6 +174,13 @@ def route_bench(
             "baseline_hashing_p50_us": b50,
             "baseline_route_p50_us": round(p50 - h50 + b50, 3),
             "route_speedup": round((p50 - h50 + b50) / p50, 2),
+            # A whole kvstream decision (hashing, load, scoring included) against Dynamo's
+            # cold device-tier match alone.
+            **(
+                {**peer, "route_p50_ratio_vs_dynamo_match": round(p50 / peer["dynamo_cold_match_p50_us"], 2)}
+                if peer
+                else {}
+            ),
         },
         as_json,
     )
