@@ -19,6 +19,7 @@ import numpy as np
 
 from kvstream.hashing import lora_seed
 from kvstream.router.active import (
+    DEFAULT_TTL_S,
     ActiveOp,
     AddRequest,
     FreeRequest,
@@ -57,7 +58,7 @@ def _unknown(request_id: str, what: str) -> UnknownRequestError:
 class CoreActiveSequences:
     """Per-worker load from routed requests, held by the compiled core."""
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
         self.core = ActiveCore(ttl_s)
