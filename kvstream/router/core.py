@@ -133,12 +133,10 @@ def decide(
     keys = index.workers()
     if not keys:
         raise NoEligibleWorkerError("no workers known: none has published any event")
-    slot_of = index._slot_of  # noqa: SLF001 (the seam between the two core objects)
-    slots = [(slot_of[k], k[0], k[1]) for k in keys]
     allowed = cfg.allowed_workers
     chosen, ov, ld, cols, probs, seqs, isl = active.core.route(
-        index._core,  # noqa: SLF001
-        slots,
+        index._core,  # noqa: SLF001 (the seam between the two core objects)
+        index._keys,  # noqa: SLF001 (per slot: its key, or None)
         tokens,
         block_size,
         lora_seed(lora_name),

@@ -235,6 +235,8 @@ fn logit_columns(w: &Weights, isl: i64, bs: i64, ov: &[i64], ld: &[i64], n: usiz
 }
 
 /// Selection probabilities over `logits` (scheduler.probabilities, same sums in order).
+/// (Python 3.11's sum() of floats adds in order from 0, as the fold does; 3.12's is
+/// compensated, which this would have to follow.)
 fn probabilities(logits: &[f64], t: f64) -> Vec<f64> {
     let lo = logits.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -400,8 +402,8 @@ impl ActiveCore {
             .collect()
     }
 
-    /// One kv decision. `keys`: (slot, worker_id, dp_rank) of every candidate, in slot
-    /// order; `weights`: (overlap_score_credit, host_cache_hit_weight,
+    /// One kv decision. `keys`: per slot, its (worker_id, dp_rank) or None for a free
+    /// slot (the candidates are the slots in use, in slot order); `weights`: (overlap_score_credit, host_cache_hit_weight,
     /// disk_cache_hit_weight, prefill_load_scale, decode_active_request_weight,
     /// router_temperature); `r`: the uniform draw in [0, 1). Expires old requests at
     /// `now` first; with `request_id`, adds the request to the chosen worker.
@@ -416,7 +418,7 @@ impl ActiveCore {
         &mut self,
         py: Python<'py>,
         index: PyRef<'py, IndexCore>,
-        keys: Vec<(usize, i64, i64)>,
+        keys: Vec<Option<Key>>,
         tokens: &Bound<'py, PyAny>,
         block_size: usize,
         seed: u64,
@@ -442,7 +444,7 @@ impl ActiveCore {
             max_prefill: filters.1,
             allowed: filters.2,
         };
-        let keys: Vec<(usize, Key)> = keys.into_iter().map(|(s, a, b)| (s, (a, b))).collect();
+        let keys: Vec<(usize, Key)> = keys.into_iter().enumerate().filter_map(|(s, k)| k.map(|k| (s, k))).collect();
         let idx: &IndexCore = &index;
         let track = request_id.is_some();
         let d = py.detach(|| -> PyResult<Decision> {
