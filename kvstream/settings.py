@@ -60,6 +60,8 @@ class RouterSettings(BaseModel):
     max_active_decode_blocks: int | None = Field(None, ge=0)
     max_active_prefill_tokens: int | None = Field(None, ge=0)
     request_ttl_s: float = Field(300.0, gt=0)
+    #: kv decisions and load in the compiled core (false: the Python reference model).
+    compiled: bool = True
 
 
 class ReplicaSettings(BaseModel):
