@@ -342,6 +342,7 @@ class Replica:
         try:
             with self.lock:
                 at = self.fold.next_offsets()
+                self._new_partitions.clear()  # assigned below with the others
             consumer.assign([
                 TopicPartition(self.events_topic, p, at.get(p, self._start_offsets.get(p, OFFSET_BEGINNING)))
                 for p in range(self.partition_count)

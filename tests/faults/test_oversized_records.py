@@ -85,6 +85,17 @@ def test_oversized_records_are_referenced_and_ingest_goes_on(kafka_topics: Setti
     finally:
         r.stop()
     agrees_with_log(r, kafka_topics)
+    # Misconfigured so that the copies are attempted: the producer refuses them at once
+    # (MSG_SIZE_TOO_LARGE, the old main's killer), which is counted, and ingest goes on.
+    r = start(kafka_topics, dlq_max_bytes=10_000_000)
+    try:
+        wait_caught_up(r, kafka_topics)
+        with r.lock:
+            assert r.router.index.worker_blocks(REAL) == 128
+        assert r.metrics.produce_refused.labels(what="dlq", error="MSG_SIZE_TOO_LARGE")._value.get() == 2
+        assert r.ready
+    finally:
+        r.stop()
 
     # kill -9, three times: each process replays the log past both records (the last
     # one from the snapshots the second one took).
