@@ -40,8 +40,9 @@ TOKENS = list(range(16 * 128))
 
 def big_store(n_blocks: int, event_id: int) -> bytes:
     """A decodable store of ``n_blocks`` blocks (16 bytes each on the wire) that lz4
-    squeezes well: its token hashes are all zero."""
-    ev = {"dp_rank": 0, "tier": "DEVICE", "event_id": event_id, "kind": "STORED", "parent_hash": None,
+    squeezes well (its token hashes are all zero), and that any fold rejects: too many
+    blocks for one event, and a parent nobody holds."""
+    ev = {"dp_rank": 0, "tier": "DEVICE", "event_id": event_id, "kind": "STORED", "parent_hash": 7,
           "block_hashes": struct.pack(f"<{n_blocks}Q", *range(1, n_blocks + 1)),
           "tokens_hashes": bytes(8 * n_blocks)}
     return AvroCodec().encode(EVENT_BATCH, {"worker_id": ROGUE, "epoch": 1, "lease_ms": 10_000, "events": [ev]})
