@@ -25,6 +25,7 @@ from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import (
     EPOCH_AHEAD,
     EVENT_TOO_LARGE,
+    KEY_MISMATCH,
     NOT_ALLOWED,
     TOO_MANY_WORKERS,
     WORKER_FULL,
@@ -69,22 +70,29 @@ def _with_fold(settings: Settings, **fold) -> Settings:
 
 
 @pytest.mark.timeout(120)
-def test_an_absurd_epoch_cannot_lock_a_worker_out(kafka_topics: Settings) -> None:
+def test_an_absurd_epoch_or_a_wrong_key_cannot_lock_a_worker_out(kafka_topics: Settings) -> None:
     pub, cons = publisher(kafka_topics, 71, listen_control=False)
     r = start(kafka_topics)
     try:
         store(cons, 100, 6)
         assert pub.flush(30) == 0
         _produce_raw(kafka_topics, [EventBatch(71, U64, 10_000, (Cleared(71, 0, D, U64, 0),))])
+        # A misconfigured producer: a plausible newer epoch, under another worker's key.
+        newer = pub.epoch + 1
+        p = Producer(producer_config(kafka_topics))
+        p.produce(kafka_topics.topics.name("events"), CODEC.encode(EventBatch(71, newer, 10_000, (Cleared(71, 0, D, newer, 0),))),
+                  key=worker_key(9))
+        assert p.flush(30) == 0
         chain(cons, 106, 4)  # the worker goes on, in its own epoch
         assert pub.flush(30) == 0
         wait_caught_up(r, kafka_topics)
         with r.lock:
             assert r.fold.workers[71].epoch == pub.epoch
             assert blocks(r.fold, 71) == epoch_truth(kafka_topics, 71, pub.epoch) and len(blocks(r.fold, 71)) == 10
-            assert r.fold.counters[EPOCH_AHEAD] == 1 and r.fold.counters[STALE_EPOCH] == 0
-        dlq = read_all(kafka_topics, "dlq")
-        assert [dict(m.headers())["kvstream-error"].decode().split(":")[0] for m in dlq] == [EPOCH_AHEAD]
+            assert r.fold.counters[EPOCH_AHEAD] == 1 and r.fold.counters[KEY_MISMATCH] == 1
+            assert r.fold.counters[STALE_EPOCH] == 0
+        dlq = read_all(kafka_topics, "dlq", want=2)
+        assert sorted(dict(m.headers())["kvstream-error"].decode().split(":")[0] for m in dlq) == [EPOCH_AHEAD, KEY_MISMATCH]
     finally:
         r.stop()
         pub.close()
