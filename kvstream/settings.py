@@ -39,6 +39,10 @@ class TopicSettings(BaseModel):
     control_retention_ms: int = Field(3600 * 1000, ge=60_000)
     dlq_partitions: int = Field(1, ge=1)
     dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    #: The broker refuses events stamped further than this ahead of its clock (ms; 0: no
+    #: bound): a record from the future would move its partition's log clock and expire
+    #: every worker there. Keep it below the workers' lease minus their heartbeat.
+    events_max_future_ms: int = Field(5000, ge=0)
     #: Replication factor; 0 means min(3, number of brokers).
     replication_factor: int = Field(0, ge=0)
 

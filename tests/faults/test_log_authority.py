@@ -215,3 +215,26 @@ def test_rogue_block_floods_are_bounded_per_event_and_per_worker(kafka_topics: S
     finally:
         r.stop()
     agrees_with_log(r, settings)
+
+
+@pytest.mark.timeout(120)
+def test_a_record_from_the_future_cannot_expire_a_partition(kafka_topics: Settings) -> None:
+    """A producer whose clock is an hour ahead (or that stamps records on purpose) would
+    move its partition's log clock an hour on and expire every worker there; the events
+    topic's ``message.timestamp.after.max.ms`` makes the broker refuse it."""
+    w = FakeWorkerLog(74)
+    produce(kafka_topics, [(74, w.batch(w.cleared(), w.stored(list(range(16 * 4)))))])
+    errors: list = []
+    p = Producer(producer_config(kafka_topics, **{"enable.idempotence": False}))
+    p.produce(kafka_topics.topics.name("events"), None, key=worker_key(74),
+              timestamp=int(time.time() * 1000) + 3_600_000, headers=[("kvstream-tick", b"")],
+              on_delivery=lambda err, _m: errors.append(err))
+    p.flush(30)
+    assert errors and errors[0] is not None and errors[0].name() == "INVALID_TIMESTAMP", errors
+    r = start(kafka_topics)
+    try:
+        wait_caught_up(r, kafka_topics)
+        with r.lock:
+            assert r.router.index.worker_blocks(74) == 4 and r.fold.counters["worker_expired"] == 0
+    finally:
+        r.stop()
