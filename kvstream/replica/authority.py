@@ -13,7 +13,6 @@ tests and tools); replicas and replay build theirs from the ``[fold]`` settings 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstream.events.model import Cleared, EventBatch, RouterEvent, Stored
@@ -87,19 +86,18 @@ class LogAuthority:
             return Rejection(LEASE_TOO_LONG, f"lease {batch.lease_ms} ms > {self.max_lease_ms} ms")
         return None
 
-    def check_event(self, ev: RouterEvent, held_blocks: Callable[[], int]) -> Rejection | None:
-        """Size limits of one event; ``held_blocks`` counts the worker's blocks now."""
+    def check_event(self, ev: RouterEvent, held: int) -> Rejection | None:
+        """Size limits of one event, for a worker holding ``held`` blocks (an upper
+        bound will do: the fold counts exactly before it rejects for the worker limit)."""
         if type(ev) is Cleared:
             return None
         n = len(ev.block_hashes)
         if self.max_blocks_per_event is not None and n > self.max_blocks_per_event:
             return Rejection(EVENT_TOO_LARGE, f"{n} blocks > {self.max_blocks_per_event} per event")
-        if self.max_blocks_per_worker is not None and type(ev) is Stored:
-            held = held_blocks()
-            if held + n > self.max_blocks_per_worker:
-                return Rejection(
-                    WORKER_FULL, f"worker holds {held} blocks; {n} more exceed {self.max_blocks_per_worker}"
-                )
+        if self.max_blocks_per_worker is not None and type(ev) is Stored and held + n > self.max_blocks_per_worker:
+            return Rejection(
+                WORKER_FULL, f"worker holds {held} blocks; {n} more exceed {self.max_blocks_per_worker}"
+            )
         return None
 
     def partition_full(self, bound: int) -> Rejection | None:

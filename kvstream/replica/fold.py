@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
 from kvstream.logs import get_logger
-from kvstream.replica.authority import TRUSTING, LogAuthority
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
 from kvstream.router import Router
 
 _log = get_logger(__name__)
@@ -202,6 +202,9 @@ class LogFold:
         check_event = self.authority.check_event
         last_ids = log.last_ids
         last_event: dict[int, RouterEvent] = {}
+        # Blocks the worker holds, an upper bound (stores added, removes not taken off):
+        # counted exactly only when the bound would reject a store.
+        held = index.worker_blocks(wid)
         for i, ev in enumerate(batch.events):
             last = last_ids.get(ev.dp_rank)
             if last is not None:
@@ -220,7 +223,10 @@ class LogFold:
                         resync.append(wid)
             last_ids[ev.dp_rank] = ev.event_id
             last_event[ev.dp_rank] = ev
-            too_big = check_event(ev, lambda: index.worker_blocks(wid))
+            too_big = check_event(ev, held)
+            if too_big is not None and too_big.reason == WORKER_FULL:
+                held = index.worker_blocks(wid)
+                too_big = check_event(ev, held)
             if too_big is not None:
                 self.counters[too_big.reason] += 1
                 rejected.append(f"event {i} (id {ev.event_id}): {too_big}")
@@ -228,6 +234,8 @@ class LogFold:
             reason = apply_event(ev)
             if reason is None:
                 applied += 1
+                if type(ev) is Stored:
+                    held += len(ev.block_hashes)
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
