@@ -56,8 +56,8 @@ def blocks_over_http(port: int) -> int:
 
 @pytest.mark.timeout(240)
 def test_oversized_records_are_referenced_and_ingest_goes_on(kafka_topics: Settings, tmp_path: Path) -> None:
-    # Its lease outlasts the test: the ticks each router publishes at start (log time
-    # moves on) must not expire it between rounds.
+    # Its lease outlasts the test: log time moves on between rounds (ticks, restarts)
+    # and must not expire it.
     w = FakeWorkerLog(REAL, lease_ms=10_000_000)
     produce(kafka_topics, [(REAL, w.batch(w.cleared(), w.stored(TOKENS[: 16 * 64])))])
     big = [big_store(1_500_000 // 16, 1), big_store(1_600_000 // 16, 2)]

@@ -70,7 +70,7 @@ def test_added_partitions_are_followed_and_every_replica_agrees(kafka_topics_fac
     newcomer = next(w for w in range(400, 500) if after[w] >= 2)
     assert before[mover] < 2 <= after[mover]
     live = start(settings, metadata_interval_s=0.3, snapshot_dir=tmp_path / "live", resync_min_interval_s=0.0)
-    # Leases outlast the test: the ticks every replica publishes at start expire nobody.
+    # Leases outlast the test: no tick or later record expires anybody in between.
     pub, cons = publisher(settings, mover, listen_control=True, lease_ms=LEASE,
                           producer_overrides={"topic.metadata.refresh.interval.ms": 300})
     try:
