@@ -8,6 +8,11 @@ add of a tracked request), with the GIL released while it works. The Python
 (tests/router/test_core_properties.py) check this against them: same candidates, same
 logit terms bit for bit, same choice for the same seed (the uniform draw is taken from
 the scheduler's seeded ``random.Random`` here and handed to the core).
+
+Like the rest of the router, this is not for concurrent use: callers serialize access
+(the replica holds its router lock around every call). While the GIL is released the
+decision holds pyo3 borrows of the index and load cores, so an unserialized writer gets
+pyo3's "already borrowed" RuntimeError, never a torn state.
 """
 
 from __future__ import annotations
