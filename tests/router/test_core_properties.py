@@ -98,7 +98,7 @@ def same_decision(a: RouteDecision, b: RouteDecision) -> None:
     assert sa.config == sb.config
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_core_decides_as_the_reference(seed: int) -> None:
     rng = random.Random(seed)

@@ -276,9 +276,9 @@ fn decide(
     w: &Weights,
     r: f64,
 ) -> PyResult<Decision> {
-    let seqs = sequence_of(&local_hashes_of(tokens, block_size, seed), None);
-    let mut full = seqs.clone();
-    let found = index.walk(seqs.len(), &mut full, &mut |_, _| Ok(()))?;
+    let mut seqs = sequence_of(&local_hashes_of(tokens, block_size, seed), None);
+    // Every hash is there already: the walk's fill has nothing to add.
+    let found = index.walk(seqs.len(), &mut seqs, &mut |_, _| Ok(()))?;
     let n = keys.len();
     // slot → candidate row (slots are small ints in slot order).
     let max_slot = keys.last().map_or(0, |k| k.0 + 1);
