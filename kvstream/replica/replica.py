@@ -35,7 +35,7 @@ from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.errors import RecoveryError
 from kvstream.replica.fold import TICK_HEADER, LogFold
 from kvstream.replica.metrics import ReplicaMetrics
-from kvstream.replica.snapshot import SnapshotStore
+from kvstream.replica.snapshot import SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
@@ -74,8 +74,11 @@ class ReplicaOptions:
     resync_wait_s: float = 10.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
-    #: Bearer token of the peer's HTTP API.
+    #: Bearer token of the peer's HTTP API (with its peer scope).
     peer_token: str | None = None
+    #: Largest peer snapshot accepted (bytes); CA bundle that verifies an https peer.
+    peer_max_bytes: int = 16 * 1024**3
+    peer_ca_file: Path | None = None
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}")
 
 
@@ -100,7 +103,10 @@ class Replica:
         self.metrics = ReplicaMetrics()
         self.lock = threading.RLock()
         self.events_topic = settings.topics.name("events")
-        self.store = SnapshotStore(self.options.snapshot_dir) if self.options.snapshot_dir else None
+        self.store: SnapshotStore | None = None
+        self._store_note: str | None = None
+        if self.options.snapshot_dir:
+            self.store, self._store_note = open_store(Path(self.options.snapshot_dir))
         self.snapshotter: Snapshotter | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -151,8 +157,8 @@ class Replica:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)
-        if self.snapshotter is not None:
-            self.snapshotter.close(final=True)
+        if self.snapshotter is not None and not self.snapshotter.close(final=True):
+            log.error("stopped without a final snapshot: the next start replays more", replica=self.replica_id)
         self._producer.flush(10)
         # Release the clients now: a stopped replica must not keep dialling the broker.
         self._producer = None  # type: ignore[assignment]
@@ -183,13 +189,19 @@ class Replica:
         self.partition_count = len(tmd.partitions)
         self.topic_id = _topic_id(admin, self.events_topic)
         loaded = None
+        if self._store_note is not None:
+            self.metrics.snapshot_fallbacks.labels(skipped="store").inc()
+            self._note(f"snapshot store unusable: {self._store_note}")
         if self.store is not None:
-            if self.store.head() is None and self.options.peer_url:
+            if not self.store.candidates()[0] and self.options.peer_url:
                 self._bootstrap_from_peer()
             loaded, skipped = self.store.load_latest()
             for reason in skipped:
-                self.metrics.snapshot_fallbacks.inc()
+                self.metrics.snapshot_fallbacks.labels(skipped="generation").inc()
                 self._note(f"snapshot skipped: {reason}")
+            if loaded is None and skipped:
+                self.metrics.snapshot_fallbacks.labels(skipped="all").inc()
+                self._note("no snapshot generation is usable: full replay")
         # Watermarks come from a consumer that never fetches: on the fetching one, each
         # query waits behind a long-poll fetch and stalls ingest.
         self._watermarks = Consumer(consumer_config(self.settings))
@@ -270,7 +282,10 @@ class Replica:
 
         assert self.store is not None and self.options.peer_url
         try:
-            gen = fetch_peer_snapshot(self.options.peer_url, self.store, self.options.peer_token)
+            gen = fetch_peer_snapshot(
+                self.options.peer_url, self.store, self.options.peer_token,
+                max_bytes=self.options.peer_max_bytes, ca_file=self.options.peer_ca_file,
+            )
             self._note(f"bootstrapped from peer {self.options.peer_url} (generation {gen})")
         except Exception as exc:  # any failure means: replay from the start instead
             self._note(f"peer bootstrap from {self.options.peer_url} failed: {exc}")
