@@ -257,7 +257,8 @@ class SnapshotStore:
         self.read_only = read_only
         #: Serialises reopen() against readers of other threads (the HTTP snapshot stream).
         self._lock = threading.RLock()
-        self._db = self._open()
+        self._closed = False
+        self._db: Rdict | None = self._open()
         self._sync = WriteOptions()
         self._sync.sync = True
 
@@ -268,6 +269,10 @@ class SnapshotStore:
         error") become SnapshotErrors that say what was being done."""
         with self._lock:
             try:
+                if self._db is None:
+                    if self._closed:
+                        raise SnapshotError("the snapshot store is closed")
+                    self._db = self._open()  # a reopen() failed (still no space): again
                 return fn()
             except SnapshotError:
                 raise
@@ -289,8 +294,12 @@ class SnapshotStore:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
+            db, self._db = self._db, None
+            if db is None:
+                return
             try:
-                self._db.close()
+                db.close()
             except Exception as exc:  # a failed flush at close loses nothing committed
                 log.warning("snapshot store close failed", path=str(self.path), error=str(exc))
 
@@ -299,6 +308,7 @@ class SnapshotStore:
         refuses every later write ("Writer has previous error") until reopened."""
         with self._lock:
             self.close()
+            self._closed = False
             self._db = self._open()
 
     # -- writing --------------------------------------------------------------------
@@ -471,10 +481,11 @@ class SnapshotStore:
 
     def raw_items(self) -> Iterator[tuple[bytes, bytes]]:
         """Every key/value (for inspection and tests that damage a snapshot)."""
+        assert self._db is not None
         yield from self._db.items()
 
     def put_raw(self, key: bytes, value: bytes) -> None:
-        self._db.put(key, value)
+        self._call("writing a raw key", lambda: self._db.put(key, value))
 
     def workers_of(self, meta: SnapshotMeta) -> Mapping[int, WorkerMeta]:
         return dict(meta.workers())
