@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from confluent_kafka import (
@@ -35,6 +35,7 @@ from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.errors import RecoveryError
 from kvstream.replica.fold import TICK_HEADER, LogFold
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.request_ids import scoped
 from kvstream.replica.snapshot import SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router import Router, RouterConfig
@@ -495,20 +496,23 @@ class Replica:
         query_only: bool = False,
         overrides: SchedulerOverrides | None = None,
     ) -> RouteDecision:
+        # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
+        # request with the same client id is another request.
+        key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
-            decision = self.router.find_best_match(token_ids, lora_name, request_id, query_only, overrides)
+            decision = self.router.find_best_match(token_ids, lora_name, key, query_only, overrides)
         if decision.op is not None:
             self._share(decision.op)
-        return decision
+        return replace(decision, request_id=request_id)
 
     def prefill_done(self, request_id: str) -> None:
         with self.lock:
-            op = self.router.prefill_done(request_id)
+            op = self.router.prefill_done(scoped(self.replica_id, request_id))
         self._share(op)
 
     def free(self, request_id: str) -> None:
         with self.lock:
-            op = self.router.free(request_id)
+            op = self.router.free(scoped(self.replica_id, request_id))
         self._share(op)
 
 
