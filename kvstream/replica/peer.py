@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from kvstream.replica.errors import SnapshotError
-from kvstream.replica.snapshot import STAMP_BYTES, SnapshotMeta, SnapshotStore
+from kvstream.replica.snapshot import STAMP_BYTES, SnapshotMeta, SnapshotStore, WorkerMeta
 
 _FRAME = struct.Struct(">QQ")  # worker id (or 0 for the meta), payload length
 #: Largest meta frame accepted (JSON of every worker's record).
@@ -83,6 +83,20 @@ def receive_snapshot(chunks: Iterator[bytes], store: SnapshotStore, max_bytes: i
     total = sum(wm.blob.nbytes for wm in todo.values())
     if total > max_bytes:
         raise SnapshotError(f"peer snapshot announces {total} bytes, more than the cap of {max_bytes}")
+    written: list[int] = []
+    try:
+        _receive_blobs(reader, store, meta, todo, written)
+    except SnapshotError:
+        for wid in written:  # nothing of a refused stream stays behind
+            store.discard_blob(wid, meta.gen)
+        raise
+    store.commit(meta, 0)
+    return meta.gen
+
+
+def _receive_blobs(
+    reader: _Reader, store: SnapshotStore, meta: SnapshotMeta, todo: dict[int, WorkerMeta], written: list[int]
+) -> None:
     while todo:
         wid, n = _FRAME.unpack(reader.exact(_FRAME.size))
         wm = todo.pop(wid, None)
@@ -91,6 +105,7 @@ def receive_snapshot(chunks: Iterator[bytes], store: SnapshotStore, max_bytes: i
         if n != wm.blob.nbytes:
             raise SnapshotError(f"peer snapshot: worker {wid}'s blob is {n} bytes, its meta says {wm.blob.nbytes}")
         writer = store.blob_writer(wid, meta.gen)
+        written.append(wid)
         head = b""
         for piece in reader.pieces(n):
             if len(head) < STAMP_BYTES:
@@ -104,8 +119,6 @@ def receive_snapshot(chunks: Iterator[bytes], store: SnapshotStore, max_bytes: i
         wm.blob = ref
     if not reader.at_end():
         raise SnapshotError("peer snapshot has bytes after its last worker")
-    store.commit(meta, 0)
-    return meta.gen
 
 
 def fetch_peer_snapshot(

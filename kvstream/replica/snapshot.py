@@ -358,6 +358,13 @@ class SnapshotStore:
         self._call(f"writing worker {worker}'s blob", lambda: self._db.write(wb))
         return BlobRef(gen, len(blob), xxhash.xxh3_64_intdigest(blob))
 
+    def discard_blob(self, worker: int, gen: int) -> None:
+        """Delete a blob written for a generation that will not be committed."""
+        self._call(
+            f"discarding worker {worker}'s blob",
+            lambda: self._db.delete_range(_blob_key(worker, gen, 0), _blob_key(worker, gen + 1, 0)),
+        )
+
     def commit(self, meta: SnapshotMeta, prev: int) -> None:
         """Make ``meta``'s generation the newest, atomically, with ``prev`` (the last
         generation known good, 0 for none) as its fallback; delete the rest."""

@@ -289,19 +289,21 @@ def test_million_token_prompt_does_not_block_the_loop(router: Router) -> None:
         s.sendall(body)
         # While the server parses and routes it (1–2 s), /healthz keeps answering.
         s.setblocking(False)
-        during = 0
+        during, slowest = 0, 0.0
         while True:
             try:
                 if s.recv(1, socket.MSG_PEEK):
                     break
             except BlockingIOError:
                 pass
+            t0 = time.perf_counter()
             assert client.get(router.url + "/healthz").status_code == 200
+            slowest = max(slowest, time.perf_counter() - t0)  # reported, not asserted
             during += 1
         s.setblocking(True)
         assert read_status(s) == 200
     client.close()
-    print(f"FAULTS http_1m_tokens healthz_answered_during_route={during}")
+    print(f"FAULTS http_1m_tokens healthz_answered_during_route={during} slowest_healthz_s={slowest:.3f}")
     # Blocked, the loop would answer at most the probe that raced the body's last bytes.
     assert during >= 3, during
 
@@ -372,6 +374,7 @@ def test_peer_bootstrap_accepts_only_what_the_meta_announces(tmp_path: Path) -> 
             with pytest.raises(SnapshotError) as info:
                 receive_snapshot(iter([data[i : i + 1000] for i in range(0, len(data), 1000)]), store, **kw)
             assert store.candidates()[0] == []  # nothing committed
+            assert not any(k.startswith(b"w") for k, _ in store.raw_items())  # nor left behind
             return str(info.value)
         finally:
             store.close()
