@@ -221,7 +221,7 @@ def test_failed_blob_write_never_leaves_a_stale_pointer(tmp_path: Path) -> None:
     assert blocks[1] == 2000
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
+def mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0:
         return False
@@ -247,7 +247,7 @@ def test_disk_full_then_space_returns(tmp_path: Path) -> None:
     retried; once space returns the next one commits (no permanent "Writer has previous
     error"), the final one at close too, and it restores the live fold."""
     mnt = tmp_path / "mnt"
-    if not _mount_tmpfs(mnt, "24m"):
+    if not mount_tmpfs(mnt, "24m"):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         logs, _ = random_log(3, workers=8, batches=30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from tests.faults.helpers import (
     stop_process,
     wait_http,
 )
-from tests.faults.test_snapshot_faults import _mount_tmpfs, fill
+from tests.faults.test_snapshot_faults import mount_tmpfs, fill
 from tests.replica.helpers import new_fold
 from tests.replica.test_replica_kafka import log_records, produce, start, wait_caught_up
 
@@ -68,17 +69,37 @@ def test_unopenable_snapshot_store_means_replay_not_down(kafka_topics_factory, t
         r.stop()
 
 
-def _metric(port: int, name: str) -> float:
+def _metric(port: int, pattern: str) -> float:
+    """The sum of the samples whose name (and labels) match ``pattern``."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.M))
 
 
 @pytest.mark.timeout(240)
 def test_disk_full_router_recovers_and_exits_0_with_a_final_snapshot(kafka_topics_factory, tmp_path: Path) -> None:
     mnt = tmp_path / "mnt"
-    if not _mount_tmpfs(mnt, "32m"):
+    if not mount_tmpfs(mnt, "32m"):
         pytest.skip("mounting a small tmpfs needs root")
+    try:
+        failures, meta, blobs, log = _fill_then_free(kafka_topics_factory, tmp_path, mnt)
+        ends = {}
+        for rec in log:
+            ends[rec.partition] = rec.offset + 1
+        # The final snapshot holds everything the process read: the whole log.
+        assert {p: o for p, o in meta.next_offsets().items() if o} == ends
+        fold = new_fold()
+        restore_fold(fold, meta, blobs, set(meta.partitions))
+        assert comparable(fold) == comparable(reference_fold(log))
+        print(f"FAULTS disk_full_router write_failures={failures:.0f} final_generation={meta.gen} rc=0")
+    finally:
+        shutil.rmtree(mnt / "snap", ignore_errors=True)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill_then_free(kafka_topics_factory, tmp_path: Path, mnt: Path):
+    """Run a router with its snapshots on ``mnt``; fill the disk while records arrive,
+    free it, SIGTERM (exit 0 asserted); returns the write failures seen, the newest
+    snapshot generation and the log."""
     settings = kafka_topics_factory(events_partitions=3)
     records, _ = log_records(6)
     third = len(records) // 3
@@ -102,31 +123,18 @@ def test_disk_full_router_recovers_and_exits_0_with_a_final_snapshot(kafka_topic
         ballast.unlink()
         ballast = None
         produce(settings, records[2 * third :])
-        time.sleep(1.0)  # let the retry (backoff ≤ 30 s, but it has only failed a few times) run
+        on_log = len(read_log(settings))
+        while _metric(port, "kvstream_records_total") < on_log:  # read it all before SIGTERM
+            assert time.monotonic() < deadline + 60, "the router did not catch up"
+            time.sleep(0.2)
         stop_process(proc)
         assert proc.returncode == 0, (tmp_path / "router.log").read_text()[-3000:]
     finally:
         stop_process(proc, signal.SIGKILL)
         if ballast is not None:
             ballast.unlink()
-    try:
-        store = SnapshotStore(mnt / "snap")
-        loaded, skipped = store.load_latest()
-        store.close()
-        assert loaded is not None and not skipped, skipped
-        meta, blobs = loaded
-        log = read_log(settings)
-        ends = {}
-        for rec in log:
-            ends[rec.partition] = rec.offset + 1
-        # The final snapshot holds everything the process read: the whole log.
-        assert {p: o for p, o in meta.next_offsets().items() if o} == ends
-        fold = new_fold()
-        restore_fold(fold, meta, blobs, set(meta.partitions))
-        assert comparable(fold) == comparable(reference_fold(log))
-        print(f"FAULTS disk_full_router write_failures={failures:.0f} final_generation={meta.gen} rc=0")
-    finally:
-        shutil.rmtree(mnt / "snap", ignore_errors=True)
-        import subprocess
-
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    store = SnapshotStore(mnt / "snap")
+    loaded, skipped = store.load_latest()
+    store.close()
+    assert loaded is not None and not skipped, skipped
+    return failures, *loaded, read_log(settings)
