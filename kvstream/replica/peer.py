@@ -11,6 +11,7 @@ store only when all of it arrived intact.
 
 from __future__ import annotations
 
+import ssl
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,7 +134,7 @@ def fetch_peer_snapshot(
     is a bearer token with the peer scope on the peer; ``ca_file`` verifies an https
     peer signed by a private CA."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    verify: bool | str = str(ca_file) if ca_file else True
+    verify: bool | ssl.SSLContext = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
     url = base_url.rstrip("/") + "/v1/snapshot"
     try:
         with httpx.stream("GET", url, headers=headers, timeout=timeout, verify=verify) as resp:
