@@ -184,24 +184,32 @@ def create_app(
             metrics.http_rejected.labels(limit="busy").inc()
             raise HTTPException(503, f"{limits.snapshot_streams} snapshot streams are running; retry later")
         streaming[0] += 1  # the event loop's thread only: no lock needed
-        try:
-            frames = stream_snapshot(store)
-            first = await anyio.to_thread.run_sync(next, frames)  # the meta: fails early, as a 503
-        except (SnapshotError, StopIteration) as exc:
-            streaming[0] -= 1
-            raise HTTPException(503, f"no snapshot to serve: {exc}") from None
+        frames = stream_snapshot(store)
 
         async def body():
             # Chunk by chunk, each read in a thread; a slow reader holds one chunk, as
             # the server waits for the socket to drain before the next.
             try:
-                yield first
+                yield await anyio.to_thread.run_sync(next, frames)  # the meta
                 while (chunk := await anyio.to_thread.run_sync(next, frames, None)) is not None:
                     yield chunk
             finally:
                 streaming[0] -= 1
 
-        return StreamingResponse(body(), media_type="application/octet-stream")
+        stream = body()
+        try:
+            # Started here, so that its finally runs however the response ends (asyncio
+            # closes a started generator that is dropped), and a missing snapshot is a 503.
+            first = await stream.__anext__()
+        except SnapshotError as exc:
+            raise HTTPException(503, f"no snapshot to serve: {exc}") from None
+
+        async def whole():
+            yield first
+            async for chunk in stream:
+                yield chunk
+
+        return StreamingResponse(whole(), media_type="application/octet-stream")
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
