@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from kvstream.logs import get_logger
 from kvstream.replica.auth import TokenError, Tokens, read_token
+from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
@@ -137,7 +138,10 @@ def router(
     from kvstream.replica.service import create_app
 
     limits = http_limits(settings)
-    replica = Replica(settings, options, router_config(settings))
+    try:
+        replica = Replica(settings, options, router_config(settings))
+    except ReplicaError as exc:
+        raise click.ClickException(f"cannot start the replica: {exc}") from None
     app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs)
     server = uvicorn.Server(
         server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())

@@ -503,11 +503,16 @@ def open_store(path: Path) -> tuple[SnapshotStore | None, str | None]:
     A store that RocksDB cannot open (a damaged MANIFEST, a deleted or truncated file) is
     moved aside to ``<path>.broken-<time>`` (kept for inspection) and a new one is made:
     the replica replays instead of refusing to start. If even that fails (a read-only or
-    full file system), None: the replica runs without snapshots."""
+    full file system), None: the replica runs without snapshots. A store locked by
+    another process is a SnapshotError (two replicas must not share a directory)."""
     try:
         return SnapshotStore(path), None
     except SnapshotError as exc:
         reason = str(exc)
+    if "/LOCK" in reason:
+        # Another process holds it (two replicas on one directory): a configuration
+        # error, not damage; moving it aside would take it from under that process.
+        raise SnapshotError(f"{reason} (is another replica using this snapshot directory?)")
     if path.exists():
         aside = path.with_name(f"{path.name}.broken-{int(time.time() * 1000)}")
         try:

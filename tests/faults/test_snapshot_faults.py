@@ -14,6 +14,7 @@ import random
 import shutil
 import struct
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,3 +279,21 @@ def test_disk_full_then_space_returns(tmp_path: Path) -> None:
         print(f"FAULTS disk_full failures={snap.failures} first_error={errors[0][:120]!r}")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_store_locked_by_another_process_is_not_moved_aside(tmp_path: Path) -> None:
+    """Two replicas on one directory is a configuration error: the second is refused with
+    the reason; the first one's store stays where it is."""
+    path = tmp_path / "s"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvstream.replica.snapshot import SnapshotStore; "
+         "s = SnapshotStore(sys.argv[1]); print('open', flush=True); sys.stdin.read()", str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(SnapshotError, match="another replica"):
+            open_store(path)
+        assert path.is_dir() and not list(tmp_path.glob("s.broken-*"))
+    finally:
+        holder.communicate("", timeout=30)
