@@ -297,3 +297,24 @@ def test_a_store_locked_by_another_process_is_not_moved_aside(tmp_path: Path) ->
         assert path.is_dir() and not list(tmp_path.glob("s.broken-*"))
     finally:
         holder.communicate("", timeout=30)
+
+
+def test_read_only_file_system_runs_without_snapshots(tmp_path: Path) -> None:
+    """A snapshot directory on a read-only file system: no start is refused; the store
+    is reported unusable (the replica replays and takes no snapshots)."""
+    mnt = tmp_path / "mnt"
+    if not mount_tmpfs(mnt, "8m"):
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        two_generations(mnt / "snap")
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        for path in (mnt / "snap", mnt / "fresh"):
+            store, note = open_store(path)
+            assert store is None and note is not None and "without snapshots" in note, note
+            assert "Read-only" in note or "read-only" in note.lower(), note
+        # rocksdict writes its config file even when opening read-only: verify cannot
+        # read it either, and says why.
+        out = CliRunner().invoke(snapshot_cmd, ["verify", str(mnt / "snap")])
+        assert out.exit_code == 1 and "Read-only file system" in out.output, out.output
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
