@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import resource
 import socket
 import ssl
 import subprocess
@@ -95,10 +96,10 @@ def spawn(settings: Settings, port: int, log: Path, **replica: object) -> subpro
     out = open(log, "ab")
     try:
         return subprocess.Popen(
-            ["prlimit", f"--nofile={NOFILE}:{NOFILE}", str(KVSTREAM), "router",
-             "--bootstrap", str(settings.bootstrap), "--port", str(port)],
+            [str(KVSTREAM), "router", "--bootstrap", str(settings.bootstrap), "--port", str(port)],
             env=router_env(settings, **replica), stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=ROOT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE)),
         )
     finally:
         out.close()
