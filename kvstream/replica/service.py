@@ -14,7 +14,14 @@ routed; request ids are a safe set, scoped per replica (kvstream.replica.request
 
 from __future__ import annotations
 
+import asyncio
 import time
+from array import array
+from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import asynccontextmanager
+from multiprocessing import get_context
 from typing import Annotated, Any
 
 import anyio
@@ -75,6 +82,39 @@ class RouteRequest(BaseModel):
 
 RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
 
+#: Route bodies at least this large are parsed in a child process: pydantic holds the GIL
+#: while it parses (about 0.2–0.4 s for a 1M-token prompt), which would stall the event
+#: loop whatever thread ran it. Smaller ones parse in the routing thread (~ms).
+PARSE_APART_BYTES = 1 << 20
+
+
+def parse_route(raw: bytes) -> RouteRequest:
+    # Straight from the bytes (pydantic's JSON parser): a prompt is thousands of ints,
+    # and FastAPI's json.loads + validation would cost several times more.
+    try:
+        return RouteRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+def parse_apart(raw: bytes) -> tuple[bytes, dict[str, Any]] | list[dict[str, Any]]:
+    """In a child process: the validated body with its token ids packed as u32 (so that no
+    million Python ints cross back), or its validation errors (picklable parts only)."""
+    try:
+        body = RouteRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        return [{"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()[:10]]
+    return array("I", body.token_ids).tobytes(), body.model_dump(exclude={"token_ids"})
+
+
+def unpack_parsed(parsed: tuple[bytes, dict[str, Any]] | list[dict[str, Any]]) -> RouteRequest:
+    if isinstance(parsed, list):
+        raise RequestValidationError(parsed)
+    tokens, rest = parsed
+    body = RouteRequest.model_validate(rest | {"token_ids": []})
+    body.token_ids = array("I", tokens)  # type: ignore[assignment]  # validated in the child
+    return body
+
 
 def create_app(
     replica: Replica,
@@ -88,8 +128,16 @@ def create_app(
     open); ``docs`` serves /docs and /openapi.json."""
     tokens = tokens if tokens is not None else Tokens.build(token)
     limits = limits or HttpLimits()
+    parsers: list[ProcessPoolExecutor] = []  # started on the first large body
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        for pool in parsers:
+            pool.shutdown(cancel_futures=True)
+
     app = FastAPI(
-        title="kvstream replica", version="1",
+        title="kvstream replica", version="1", lifespan=lifespan,
         docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
     )
     metrics = replica.metrics
@@ -115,13 +163,8 @@ def create_app(
         metrics.http_errors.labels(status=str(exc.status_code)).inc()
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
 
-    def route_sync(raw: bytes) -> dict[str, Any]:
-        # Parsed straight from the bytes (pydantic's JSON parser): a prompt is thousands
-        # of ints, and FastAPI's json.loads + validation would cost several times more.
-        try:
-            body = RouteRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
+    def route_sync(raw: bytes | RouteRequest) -> dict[str, Any]:
+        body = raw if isinstance(raw, RouteRequest) else parse_route(raw)
         if not replica.ready:
             raise HTTPException(503, "replica is not ready (catching up with the log)")
         overrides = None
@@ -146,11 +189,22 @@ def create_app(
 
     @app.post("/v1/route", dependencies=needs(Scope.CLIENT))
     async def route(request: Request) -> dict[str, Any]:
-        # Parsing and routing a long prompt take long (about 1–2 s at 1M tokens): in a
-        # bounded pool of threads, so that the event loop keeps serving (/healthz).
-        raw = await request.body()
+        # Parsing and routing a long prompt take long (up to 1–2 s at 1M tokens): off the
+        # event loop, in a bounded pool of threads (and processes for large bodies), so
+        # that it keeps serving (/healthz).
+        raw: bytes | RouteRequest = await request.body()
         if not routing:
             routing.append(anyio.CapacityLimiter(limits.route_threads))
+        if len(raw) >= PARSE_APART_BYTES:  # type: ignore[arg-type]
+            if not parsers:
+                parsers.append(ProcessPoolExecutor(limits.route_threads, mp_context=get_context("spawn")))
+            async with routing[0]:
+                try:
+                    parsed = await asyncio.get_running_loop().run_in_executor(parsers[0], parse_apart, raw)
+                except BrokenProcessPool:  # a parser died (e.g. killed for memory): a new pool
+                    parsers.pop().shutdown(wait=False)
+                    raise HTTPException(503, "the request parser failed; retry") from None
+            raw = unpack_parsed(parsed)
         return await anyio.to_thread.run_sync(route_sync, raw, limiter=routing[0])
 
     @app.post("/v1/requests/{request_id}/prefill_done", dependencies=needs(Scope.CLIENT))

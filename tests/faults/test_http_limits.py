@@ -305,8 +305,8 @@ def test_million_token_prompt_does_not_block_the_loop(router: Router) -> None:
         assert read_status(s) == 200
     client.close()
     print(f"FAULTS http_1m_tokens healthz_answered_during_route={during} slowest_healthz_s={slowest:.3f}")
-    # Blocked, the loop would answer at most the probe that raced the body's last bytes.
-    assert during >= 3, during
+    # Blocked, the loop would answer at most the probe that raced the body's last bytes (main: 1).
+    assert during >= 20, during
 
 
 def test_snapshot_streams_are_bounded(router: Router, tmp_path: Path) -> None:
