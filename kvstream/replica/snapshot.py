@@ -44,7 +44,7 @@ from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstream.events.model import Tier
 from kvstream.logs import get_logger
-from kvstream.router.index import WorkerBlocks
+from kvstream.router.index import PackedBlocks, WorkerBlocks
 from kvstream.replica.errors import SnapshotError
 
 log = get_logger(__name__)
@@ -72,7 +72,8 @@ def pack_worker(parts: list[WorkerBlocks]) -> bytes:
     return b"".join(out)
 
 
-def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
+def packed_worker(blob: bytes) -> list[PackedBlocks]:
+    """The parts of a worker blob, hashes left packed (what a restore imports)."""
     try:
         (count,) = struct.unpack_from("<I", blob, 0)
         pos, parts = 4, []
@@ -81,10 +82,8 @@ def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
             pos += 13
             if pos + 16 * n > len(blob):
                 raise SnapshotError("worker blob is shorter than its header says")
-            bh = np.frombuffer(blob, _U64, n, pos).tolist()
-            sh = np.frombuffer(blob, _U64, n, pos + 8 * n).tolist()
+            parts.append(PackedBlocks(rank, _TIERS[tier], blob, pos, n))
             pos += 16 * n
-            parts.append(WorkerBlocks(rank, _TIERS[tier], bh, sh))
     except (struct.error, IndexError) as exc:
         raise SnapshotError(f"malformed worker blob: {exc}") from None
     if pos != len(blob):
@@ -98,6 +97,18 @@ def stamp(worker: int, epoch: int, last_ids: Mapping[int, int], last_seen_ms: in
     ids = sorted(last_ids.items())
     raw = struct.pack(f">QQqI{2 * len(ids)}Q", worker, epoch, last_seen_ms, len(ids), *(x for kv in ids for x in kv))
     return xxhash.xxh3_64_digest(raw)
+
+
+def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
+    """The parts of a worker blob, hashes as lists of ints."""
+    return [
+        WorkerBlocks(
+            p.dp_rank, p.tier,
+            np.frombuffer(blob, _U64, p.count, p.offset).tolist(),
+            np.frombuffer(blob, _U64, p.count, p.offset + 8 * p.count).tolist(),
+        )
+        for p in packed_worker(blob)
+    ]
 
 
 # -- meta ---------------------------------------------------------------------------------
