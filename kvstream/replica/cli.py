@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import signal
+import threading
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -138,8 +140,14 @@ def router(
     from kvstream.replica.service import create_app
 
     limits = http_limits(settings)
+    gave_up = threading.Event()
+
+    def on_fatal(_reason: str) -> None:
+        gave_up.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # stop serving; the exit status says why
+
     try:
-        replica = Replica(settings, options, router_config(settings))
+        replica = Replica(settings, options, router_config(settings), on_fatal=on_fatal)
     except ReplicaError as exc:
         raise click.ClickException(f"cannot start the replica: {exc}") from None
     app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs)
@@ -156,3 +164,5 @@ def router(
         server.run()
     finally:
         replica.stop()
+    if gave_up.is_set():
+        raise click.ClickException(f"the replica gave up: {replica.fatal}")
