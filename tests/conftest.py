@@ -198,6 +198,12 @@ def kafka_bootstrap(pytestconfig: pytest.Config) -> Iterator[str]:
         yield from _local_kafka()
 
 
+@pytest.fixture(scope="session")
+def kafka_image_name() -> str:
+    """kvstream's Kafka image, as the docker source of ``kafka_bootstrap`` runs it."""
+    return kafka_image()
+
+
 @pytest.fixture
 def kafka_topics_factory(kafka_bootstrap: str) -> Iterator[Callable[..., Settings]]:
     """Makes Settings whose topics carry a prefix unique to the test (``TopicSettings``
