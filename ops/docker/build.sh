@@ -63,7 +63,7 @@ build() {  # build TAG CONTEXT DOCKERFILE [docker build args...]
     local tag="$1" context="$2" file="$3" t0=$SECONDS
     shift 3
     docker build -q -t "$tag" -f "$file" "$@" "$context" >/dev/null
-    log "$tag built in $((SECONDS - t0)) s ($(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=iec))"
+    log "$tag built in $((SECONDS - t0)) s ($(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=si))"
 }
 
 if ((kafka)); then
@@ -78,26 +78,65 @@ if ((kafka)); then
     build "kvstream-kafka:$version" "$ctx" "$ROOT/docker/kafka/Dockerfile" --build-arg DEBIAN_BASE="$DEBIAN_BASE"
 fi
 
+# The dependencies' wheels, downloaded once per dependency list (pyproject.toml) and
+# Python version: wheelhouse/KEY/deps (kvstream's) and worker-deps (the worker extra's).
+wheelhouse() {
+    local key dir
+    key="$("$PYTHON" - "$ROOT/pyproject.toml" <<'PY'
+import hashlib, json, platform, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+deps = {"deps": sorted(project["dependencies"]),
+        "worker": sorted(project.get("optional-dependencies", {}).get("worker", [])),
+        "python": platform.python_version()}
+print(hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()[:16])
+PY
+)"
+    dir="$CACHE_ROOT/docker/wheelhouse/$key"
+    if [[ ! -f "$dir/deps/.complete" ]]; then
+        rm -rf "$dir/deps" && mkdir -p "$dir/deps"
+        "$PYTHON" -m pip download -q -d "$dir/deps" "$wheel"
+        rm -f "$dir"/deps/kvstream-*.whl
+        touch "$dir/deps/.complete"
+    fi
+    if ((worker)) && [[ ! -f "$dir/worker-deps/.complete" ]]; then
+        local all="$dir/worker-all" f
+        rm -rf "$all" "$dir/worker-deps" && mkdir -p "$all" "$dir/worker-deps"
+        "$PYTHON" -m pip download -q -d "$all" "$wheel[worker]"
+        for f in "$all"/*.whl; do
+            [[ -e "$dir/deps/${f##*/}" || "${f##*/}" == kvstream-* ]] || mv "$f" "$dir/worker-deps/"
+        done
+        rm -rf "$all"
+        touch "$dir/worker-deps/.complete"
+    fi
+    echo "$dir"
+}
+
 if ((router || worker)); then
     "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
         || die "$PYTHON is not CPython 3.11, the images' version: its wheels would not fit (set PYTHON)"
     wheels="$CACHE_ROOT/docker/wheel"
     rm -rf "$wheels" && mkdir -p "$wheels"
-    log "building the kvstream wheel (maturin, Rust kernel) with $PYTHON"
+    t0=$SECONDS
     CARGO_TARGET_DIR="$CACHE_ROOT/cargo-target" "$PYTHON" -m pip wheel -q --no-deps -w "$wheels" "$ROOT"
     wheel="$(echo "$wheels"/kvstream-*.whl)"
     [[ -f "$wheel" ]] || die "no kvstream wheel was built"
+    log "kvstream wheel (maturin, Rust kernel) built in $((SECONDS - t0)) s with $PYTHON"
+    t0=$SECONDS
+    house="$(wheelhouse)"
+    log "dependency wheels in $house ($((SECONDS - t0)) s)"
     for target in router worker; do
         if [[ "$target" == router ]] && ((!router)); then continue; fi
         if [[ "$target" == worker ]] && ((!worker)); then continue; fi
         ctx="$CONTEXTS/$target"
-        mkdir -p "$ctx/wheels"
-        rm -f "$ctx"/wheels/kvstream-*.whl
+        rm -rf "$ctx" && mkdir -p "$ctx/wheels/kvstream" "$ctx/wheels/worker-deps"
         cp "$ROOT/docker/entrypoint.sh" "$ctx/"
-        spec="$wheel"
-        [[ "$target" == worker ]] && spec="$wheel[worker]"
-        # Kept between runs: pip only fetches what changed (its own cache serves the rest).
-        "$PYTHON" -m pip download -q -d "$ctx/wheels" "$spec"
+        cp "$wheel" "$ctx/wheels/kvstream/"
+        # Hard links: no copy of gigabytes of torch per build.
+        cp -al "$house/deps" "$ctx/wheels/deps"
+        if [[ "$target" == worker ]]; then
+            rm -rf "$ctx/wheels/worker-deps" && cp -al "$house/worker-deps" "$ctx/wheels/worker-deps"
+        fi
+        rm -f "$ctx"/wheels/*/.complete
         build "kvstream-$target:dev" "$ctx" "$ROOT/docker/Dockerfile" --target "$target" \
             --build-arg PYTHON_BASE="$PYTHON_BASE"
     done
