@@ -3,13 +3,16 @@
 # The router's HTTP API listens on all interfaces only when it requires a bearer token
 # (KVSTREAM_REPLICA__TOKEN); without one it stays on the container's loopback, where
 # nothing outside the container reaches it. KVSTREAM_REPLICA__HOST set explicitly wins.
-#   kvstream-entrypoint health   the image's health check: the router's /readyz
+#   kvstream-entrypoint health VAR PATH   the images' health check: GET PATH on the port
+#                                         that the variable VAR names answers 2xx
 set -eu
 
 if [ "${1:-}" = health ]; then
-    exec python3 -c 'import os, urllib.request
-port = os.environ.get("KVSTREAM_REPLICA__PORT", "8470")
-urllib.request.urlopen("http://127.0.0.1:" + port + "/readyz", timeout=3)'
+    exec python3 - "$2" "$3" <<'PY'
+import os, sys, urllib.request
+var, path = sys.argv[1:]
+urllib.request.urlopen(f"http://127.0.0.1:{os.environ[var]}{path}", timeout=3)
+PY
 fi
 if [ -z "${KVSTREAM_REPLICA__HOST:-}" ]; then
     if [ -n "${KVSTREAM_REPLICA__TOKEN:-}" ]; then

@@ -27,6 +27,8 @@ DEADLINE_S = 300
 
 @dataclass(frozen=True)
 class Fleet:
+    #: worker-1's container id.
+    worker: str
     project: str
     token: str
     routers: tuple[str, str]
@@ -75,7 +77,8 @@ def fleet(images, compose_cli) -> Iterator[Fleet]:
     try:
         up = compose("up", "-d", "kafka", "topics", "router-1", "router-2", "worker-1")
         assert up.returncode == 0, f"compose up failed:\n{up.stdout}\n{up.stderr}"
-        yield Fleet(project, token, (f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"))
+        worker = compose("ps", "-q", "worker-1").stdout.strip()
+        yield Fleet(worker, project, token, (f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"))
     except BaseException:
         print(compose("logs", "--tail", "60", timeout=60).stdout)
         raise
@@ -83,7 +86,7 @@ def fleet(images, compose_cli) -> Iterator[Fleet]:
         compose("down", "-v", "--remove-orphans", timeout=180)
 
 
-def test_routers_route_the_workers_prompt_and_agree(fleet):
+def test_routers_route_the_workers_prompt_and_agree(fleet, docker_cli):
     from kvstream.worker.synthetic import PromptSetOptions, shared_prefix_prompts
 
     auth = {"Authorization": f"Bearer {fleet.token}"}
@@ -105,6 +108,7 @@ def test_routers_route_the_workers_prompt_and_agree(fleet):
         return answers if stored and same else None
 
     answers = eventually(decisions, "both routers route the stored prompt to worker 1 alike")
+    assert docker_cli("inspect", "-f", "{{.State.Health.Status}}", fleet.worker).stdout.strip() == "healthy"
     assert answers[0]["cached_tokens"] == answers[1]["cached_tokens"] > 0
 
     # The API wants the token; /readyz (the health check) does not.
