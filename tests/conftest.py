@@ -38,10 +38,12 @@ ADVERTISED_FILE = "/tmp/advertised.listeners"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Whatever uses the broker is a kafka test, marked or not, so `-m "not kafka"` skips it.
+    # Whatever uses the broker is a kafka test, marked or not, so `-m "not kafka"` skips it;
+    # session_broker picks exactly the tests that KVSTREAM_TEST_KAFKA concerns.
     for item in items:
         if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kafka)
+            item.add_marker(pytest.mark.session_broker)
 
 
 @dataclass(frozen=True)

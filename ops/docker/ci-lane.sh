@@ -4,9 +4,9 @@
 #      the v2 plugin is absent) and debootstrap, a dockerd of its own;
 #   2. build the images (ops/docker/build.sh --worker; Docker's cache makes a re-run cheap);
 #   3. the Kafka integration tests again, on kvstream's Kafka image through testcontainers
-#      (KVSTREAM_TEST_KAFKA=docker): the kafka-marked tests of tests/kafka (client protocol,
-#      ordering, codec, topics) and tests/replica/test_replica_kafka.py (replicas agree,
-#      snapshots, retention resync, DLQ);
+#      (KVSTREAM_TEST_KAFKA=docker): the tests of tests/kafka that use the session's broker
+#      (client protocol, ordering, codec, topics; not those of broker.sh itself) and
+#      tests/replica/test_replica_kafka.py (replicas agree, snapshots, retention resync, DLQ);
 #   4. tests/docker: the images as built and the compose fleet smoke test.
 # Where Docker cannot be set up it says so in one line and skips this lane only. It stops
 # what it started: its containers, networks and volumes, and its dockerd.
@@ -87,7 +87,7 @@ docker images --filter reference='kvstream-*' --format '    {{.Repository}}:{{.T
 
 cd "$ROOT"
 step "Kafka integration tests on kvstream's Kafka image (testcontainers)"
-KVSTREAM_TEST_KAFKA=docker .venv/bin/python -m pytest -q -m kafka tests/kafka tests/replica/test_replica_kafka.py
+KVSTREAM_TEST_KAFKA=docker .venv/bin/python -m pytest -q -m session_broker tests/kafka tests/replica/test_replica_kafka.py
 step "the images and the compose fleet (tests/docker)"
 KVSTREAM_TEST_DOCKER=1 .venv/bin/python -m pytest -q tests/docker
 step "done"
