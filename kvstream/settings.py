@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,6 +74,12 @@ class ReplicaSettings(BaseModel):
     snapshot_every_s: float = Field(60.0, ge=0)
     ready_max_lag: int = Field(1000, ge=0)
     tick_interval_s: float = Field(5.0, gt=0)
+    #: Names the replica in logs, ticks and its consumer group ``kvstream-<replica_id>``,
+    #: where it commits its read positions (for kafka-consumer-groups); keep it stable
+    #: across restarts (e.g. the host name). Default: random per start.
+    replica_id: str = Field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}", min_length=1)
+    #: Commit read positions this often (s); 0: never.
+    commit_interval_s: float = Field(1.0, ge=0)
     #: After a recovery that dropped workers, stay unready until they resync, at most this long.
     resync_wait_s: float = Field(10.0, ge=0)
     peer_url: str | None = None

@@ -21,6 +21,10 @@ class ReplicaMetrics:
         self.consume_errors = Counter("kvstream_consume_errors", "Consumer errors", registry=r)
         self.produce_failures = Counter("kvstream_produce_failures", "Failed deliveries (DLQ, control, active)", registry=r)
         self.resync_requests = Counter("kvstream_resync_requests", "Resync requests published", registry=r)
+        self.commit_failures = Counter(
+            "kvstream_position_commit_failures", "Failed commits of read positions to the replica's group", registry=r
+        )
+        self.ticks = Counter("kvstream_ticks", "Log-clock ticks written to idle partitions past a lease", registry=r)
         self.lag = Gauge("kvstream_partition_lag", "Records behind the partition's end", ["partition"], registry=r)
         self.snapshot_age = Gauge(
             "kvstream_snapshot_age_seconds", "Seconds since the last committed snapshot", registry=r

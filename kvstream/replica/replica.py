@@ -33,10 +33,12 @@ from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.errors import RecoveryError
-from kvstream.replica.fold import TICK_HEADER, LogFold
+from kvstream.replica.fold import LogFold
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
+from kvstream.replica.ticks import TickCodec, Ticker, is_tick
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
 from kvstream.router.errors import RouterError
@@ -63,7 +65,7 @@ class ReplicaOptions:
     ready_max_lag: int = 1000
     #: Records per consume() call.
     consume_batch: int = 2000
-    #: Log-clock ticks to every events partition, this often (s).
+    #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
     tick_interval_s: float = 5.0
     #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
     active_window_s: float = 300.0
@@ -72,6 +74,9 @@ class ReplicaOptions:
     #: After a recovery that dropped workers (retention, recreated topic), stay unready
     #: until each has resynced (a newer epoch on the log), or at most this long (s).
     resync_wait_s: float = 10.0
+    #: Commit read positions to this replica's own consumer group this often (s), for
+    #: Kafka's lag tooling (kvstream.replica.positions); 0: never.
+    commit_interval_s: float = 1.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
     #: Bearer token of the peer's HTTP API.
@@ -104,13 +109,14 @@ class Replica:
         self.snapshotter: Snapshotter | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id}))
+        # Load ops must reach the peers at once; a replica's few records need no batching.
+        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
         self._lag: dict[int, int] = {}
         self._start_offsets: dict[int, int] = {}
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
-        self._last_tick = float("-inf")
+        self._ticker = Ticker(self.replica_id, self.options.tick_interval_s, self._produce_tick, TickCodec(self.codec))
         self.topic_id: str | None = None
         self.partition_count = 0
         self.started_at = time.monotonic()
@@ -127,7 +133,13 @@ class Replica:
         """Recover (snapshot, offset checks, resync) and start the threads."""
         offsets = self._recover()
         self._start_offsets = offsets
-        self._consumer = Consumer(consumer_config(self.settings))
+        self._consumer = Consumer(
+            consumer_config(self.settings, group_id=replica_group_id(self.replica_id),
+                            on_commit=commit_callback(self._commit_failed))
+        )
+        self._positions = PositionCommitter(
+            self._consumer, self.events_topic, self.options.commit_interval_s, self._commit_failed
+        )
         self._consumer.assign(
             [TopicPartition(self.events_topic, p, o) for p, o in sorted(offsets.items())]
         )
@@ -301,7 +313,18 @@ class Replica:
             self._ready.clear()
             raise
         finally:
+            self._positions.final(self.positions())
             consumer.close()
+
+    def positions(self) -> dict[int, int]:
+        """Next offset to read per partition: where the fold is, else where reading
+        started (a partition with nothing new since the snapshot)."""
+        with self.lock:
+            return {**self._start_offsets, **self.fold.next_offsets()}
+
+    def _commit_failed(self, error: str) -> None:
+        self.metrics.commit_failures.inc()
+        log.warning("position commit failed", replica=self.replica_id, error=error)
 
     def _apply_messages(self, msgs: list) -> None:
         fold = self.fold
@@ -315,9 +338,7 @@ class Replica:
                     log.warning("consume error", error=str(err))
                 continue
             records += 1
-            headers = m.headers()
-            is_tick = bool(headers) and any(k == TICK_HEADER for k, _ in headers)
-            out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick)
+            out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(m.headers()))
             m_applied += out.applied_events
             if out.dlq_reason is not None:
                 self._to_dlq(m, out.dlq_reason)
@@ -363,12 +384,17 @@ class Replica:
         self._producer.poll(0)
 
     def _housekeeping(self) -> None:
-        now = time.monotonic()
-        if now - self._last_tick >= self.options.tick_interval_s:
-            self._last_tick = now
-            for p in range(self.partition_count):
-                self._producer.produce(self.events_topic, value=None, partition=p, headers=[(TICK_HEADER, b"")])
+        with self.lock:
+            self._ticker.step(self.fold)
+        self._positions.step(self.positions)
         self._producer.poll(0)
+
+    def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self.metrics.ticks.inc()
+        self._producer.produce(
+            self.events_topic, value=value, key=key, partition=partition, headers=headers,
+            on_delivery=self._delivery,
+        )
 
     def _lag_loop(self) -> None:
         # Its own thread: a slow broker answer must never stall ingest.
@@ -377,16 +403,14 @@ class Replica:
             self._stop.wait(0.5)
 
     def _update_lag(self) -> None:
-        with self.lock:
-            offsets = self.fold.next_offsets()
+        offsets = self.positions()
         try:
             bounds = self._bounds(timeout=0)
         except RecoveryError:
             return  # broker unreachable: keep the last view; readiness unchanged
         lag = {}
         for p, (_, high) in bounds.items():
-            pos = offsets.get(p, self._start_offsets.get(p, 0))
-            lag[p] = max(0, high - pos)
+            lag[p] = max(0, high - offsets.get(p, 0))
             self.metrics.lag.labels(partition=str(p)).set(lag[p])
         self._lag = lag
         if all(v <= self.options.ready_max_lag for v in lag.values()) and not self._resyncs_pending():

@@ -24,7 +24,7 @@ from kvstream.replica.snapshot import (
     SnapshotStore,
     WorkerMeta,
     pack_worker,
-    unpack_worker,
+    packed_worker,
 )
 
 log = get_logger(__name__)
@@ -205,4 +205,4 @@ def restore_fold(
             fold.restore_worker(
                 wid, WorkerLog(p, wm.epoch, wm.lease_ms, wm.last_seen_ms, dict(wm.last_ids))
             )
-            index.import_worker(wid, unpack_worker(blobs[wid]))
+            index.import_worker(wid, packed_worker(blobs[wid]))
