@@ -133,4 +133,4 @@ def test_a_router_without_a_token_stays_on_its_loopback(fleet, images, docker_cl
             httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
         assert "listens on the container's loopback only" in docker_cli("logs", name).stderr
     finally:
-        docker_cli("rm", "-f", name, check=False)
+        docker_cli("rm", "-f", "-v", name, check=False)
