@@ -137,6 +137,15 @@ class TieredIndex:
             self._free_slots.append(slot)
         return removed
 
+    def worker_blocks(self, worker_id: int) -> int:
+        """Blocks a worker holds over every rank and tier: O(its ranks)."""
+        size = self._core.size
+        return sum(
+            size(i, self._slot_of[(worker_id, rank)])
+            for rank in self._ranks.get(worker_id, ())
+            for i in range(len(TIERS))
+        )
+
     def clear_worker(self, worker_id: int) -> None:
         """Drop every block of every rank of a worker, on every tier; it stays known."""
         for rank in self._ranks.get(worker_id, ()):
