@@ -8,9 +8,10 @@ so nothing stale is served while it catches up.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +60,8 @@ class RouteRequest(BaseModel):
     lora_name: str | None = Field(None, max_length=256)
     query_only: bool = False
     weights: Weights | None = None
+    #: The routing policy for this request (default: the replica's ``[router] policy``).
+    policy: Literal["kv", "ttft"] | None = None
     #: Include every candidate's terms of worker_logit in the answer.
     explain: bool = False
 
@@ -104,6 +107,8 @@ def create_app(replica: Replica, token: str | None = None) -> FastAPI:
             if w["allowed_workers"] is not None:
                 w["allowed_workers"] = frozenset(w["allowed_workers"])
             overrides = SchedulerOverrides(**w)
+        if body.policy is not None:
+            overrides = dataclasses.replace(overrides or SchedulerOverrides(), policy=body.policy)
         t0 = time.perf_counter()
         try:
             decision = replica.route(
