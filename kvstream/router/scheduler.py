@@ -51,6 +51,8 @@ class SchedulerConfig:
     #: ~20k tokens/s of compute at 128 KiB of KV per token: the simulator's defaults).
     ttft_host_onboard_ratio: float = 0.1
     ttft_disk_onboard_ratio: float = 0.5
+    #: ttft: weight of the delay a request's uncached prefill puts on later ones.
+    ttft_recompute_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -34,7 +34,7 @@ def reference_ttft(cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: 
     ahead = c.active_prefill_tokens if c.has_load else 0
     uncached = max(isl - (o.device + o.host_pinned + o.disk + o.external) * bs, 0)
     onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
-    return (ahead + uncached + onboard) / rate
+    return (ahead + uncached + onboard) / rate + cfg.ttft_recompute_weight * uncached / rate
 
 
 overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(4)))
@@ -57,9 +57,11 @@ candidates = st.builds(
     rates=st.lists(st.floats(100, 1e6), min_size=8, max_size=8),
     host=st.floats(0, 2),
     disk=st.floats(0, 2),
+    recompute=st.floats(0, 3),
 )
-def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk) -> None:
-    cfg = SchedulerConfig(policy="ttft", ttft_host_onboard_ratio=host, ttft_disk_onboard_ratio=disk)
+def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recompute) -> None:
+    cfg = SchedulerConfig(policy="ttft", ttft_host_onboard_ratio=host, ttft_disk_onboard_ratio=disk,
+                          ttft_recompute_weight=recompute)
     base = Candidates.from_rows(rows)
     c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]))
     got = predicted_ttft(cfg, isl, 16, c)
@@ -75,7 +77,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     """The issue's case: A holds half of a short prompt but has 30k tokens of prefill
     queued; B has no prefill queued but 100 blocks decoding. kv (§5) weighs a queued
     prefill block like a decode block (62.6 against 108) and picks A; ttft predicts
-    1.55 s on A against 0.1 s on B and picks B."""
+    1.55 s on A against 0.1 s on B and picks B (costs with the recompute weight 1:
+    +0.05 s and +0.1 s)."""
     a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2)
     b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4)
     isl = 2048
@@ -84,7 +87,7 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     ttft = Scheduler(TTFT, random.Random(0)).schedule(isl, 512, cands)
     assert kv.chosen == 0
     assert ttft.chosen == 1
-    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + 1024) / 20.0, 2048 / 20.0])
+    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + 2 * 1024) / 20.0, 2 * 2048 / 20.0])
 
 
 def test_onboarding_costs_by_tier_and_learned_rates() -> None:
@@ -117,6 +120,7 @@ def test_rates_are_decayed_sums_with_fallbacks() -> None:
 
 def test_active_sequences_learn_the_rate_from_route_to_first_token() -> None:
     act = ActiveSequences(clock=lambda: 0.0)
+    act.rates = PrefillRates(alpha=0.1)
     act.apply(AddRequest("r1", 1, 0, 4000, 0, (1, 2), 10.0))
     act.apply(AddRequest("r2", 1, 0, 2000, 1000, (3,), 10.5))  # 4000 tokens queued ahead of it
     act.apply(PrefillDone("r1", 10.2))  # 4000 tokens in 0.2 s
