@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from kvstream.router import RouterConfig, SchedulerConfig
+from kvstream.router.errors import SchedulerConfigError
 from kvstream.settings import SettingsError, load_settings
 from kvstream.tools.bench.common import emit
 from kvstream.tools.simulate.engine import CostModel, EngineConfig
@@ -138,7 +139,7 @@ def simulate(
                 plot_sweep(points, references, plot_path, title)
             else:
                 plot([p.result for p in points], plot_path)
-    except (SimulationError, SettingsError) as exc:
+    except (SimulationError, SettingsError, SchedulerConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     summaries = [
         {**summarize(p.result, window, references), "speed": p.speed, "offered_req_per_s": round(p.offered, 3)}
