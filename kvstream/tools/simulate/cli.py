@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -87,6 +88,8 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
               help="Requests per window of the per-window hit rates (`windows` in the JSON).")
 @click.option("--sweep", "sweep_spec", help="Load sweep, e.g. 'speed=1,2,4,8': every policy at every speed; "
               "--plot then draws TTFT p50/p99 and hit rate against load.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs (policies × speeds) at once, in separate processes (in-memory log only).")
 @click.option("--bootstrap", help="Kafka bootstrap servers: send the events through the real broker.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file (with --bootstrap).")
 @click.option("--topic-prefix", help="Topic name prefix (with --bootstrap).")
@@ -99,7 +102,7 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
 def simulate(
     trace_path: Path | None, speed: float, limit: int | None, sessions: int, workers: int,
     policies: tuple[str, ...], mode: str, seed: int, block_size: int, device_tokens: int, host_tokens: int,
-    disk_tokens: int, window: int, sweep_spec: str | None, bootstrap: str | None, config_file: str | None,
+    disk_tokens: int, window: int, sweep_spec: str | None, jobs: int, bootstrap: str | None, config_file: str | None,
     topic_prefix: str | None, replicas: int, plot_path: Path | None, progress: bool | None, as_json: bool,
     **weights: Any,
 ) -> None:
@@ -125,14 +128,22 @@ def simulate(
                                                                       + engine.disk_blocks)),
             "host_lru": lru_reference(base, block_size, workers * engine.host_blocks),
         }
-        points: list[SweepPoint] = []
-        for sp in speeds:
-            requests = scaled(base, sp)
-            for name in names:
-                options = SimOptions(workers=workers, policy=name, mode=Mode(mode), seed=seed, engine=engine,
-                                     scheduler=scheduler)
-                result = run_simulation(requests, options, make_log, progress=show)
-                points.append(SweepPoint(sp, offered_rate(requests), result))
+        if jobs > 1 and bootstrap is not None:
+            raise SimulationError("--jobs runs the in-memory log only (drop --bootstrap, or --jobs)")
+        runs = [
+            (sp, scaled(base, sp), SimOptions(workers=workers, policy=name, mode=Mode(mode), seed=seed,
+                                              engine=engine, scheduler=scheduler))
+            for sp in speeds
+            for name in names
+        ]
+        if jobs > 1:
+            # Each run is independent and deterministic: separate processes give the same results.
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = [pool.submit(run_simulation, reqs, opts, memory_log) for _, reqs, opts in runs]
+                results = [f.result() for f in futures]
+        else:
+            results = [run_simulation(reqs, opts, make_log, progress=show) for _, reqs, opts in runs]
+        points = [SweepPoint(sp, offered_rate(reqs), r) for (sp, reqs, _), r in zip(runs, results)]
         if plot_path is not None:
             title = f"{_source(trace_path, sessions, seed)}: {describe_window(base, limit)}"
             if sweep_spec is not None:
@@ -178,15 +189,16 @@ def _requests(trace_path: Path | None, limit: int | None, sessions: int, seed: i
     return reqs[:limit] if limit is not None else reqs
 
 
+def memory_log(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
+    """The in-memory event log (a module-level function: --jobs sends it to other processes)."""
+    return MemoryEventLog(config, clock, seed)
+
+
 def _log_factory(bootstrap: str | None, config_file: str | None, topic_prefix: str | None, replicas: int) -> LogFactory:
     if bootstrap is None:
         if replicas != 1 or topic_prefix or config_file:
             raise SimulationError("--replicas, --topic-prefix and --config need --bootstrap (a real broker)")
-
-        def memory(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
-            return MemoryEventLog(config, clock, seed)
-
-        return memory
+        return memory_log
     settings = load_settings(config_file, bootstrap=bootstrap)
     if topic_prefix is not None:
         settings.topics = settings.topics.model_copy(update={"prefix": topic_prefix})
