@@ -99,6 +99,14 @@ def test_cli_sweep_windows_references_and_every_flag(tmp_path: Path) -> None:
     assert [(r["speed"], r["policy"]) for r in doc["sweep"]] == [(1, "kv"), (1, "ttft"), (4, "kv"), (4, "ttft")]
     assert set(doc["saturation"]["saturation_speed"]) == {"kv", "ttft"}
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The same runs in separate processes give the same figures.
+    res = runner.invoke(cli, args + ["--sweep", "speed=1,4", "--jobs", "2"])
+    assert res.exit_code == 0, res.output
+    again = json.loads(res.stdout.strip().splitlines()[-1])
+    volatile = {"wall_s", "events_per_s"}
+    assert [{k: v for k, v in r.items() if k not in volatile} for r in again["sweep"]] == [
+        {k: v for k, v in r.items() if k not in volatile} for r in doc["sweep"]
+    ]
     for run in doc["sweep"]:
         assert 0 <= run["hit_rate"] <= run["upper_bound"] <= 1
         windows = run["windows"]

@@ -53,7 +53,7 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
             if field.name in skip:
                 continue
             default = field.default
-            kind = int if isinstance(default, int) and not isinstance(default, bool) else float
+            kind = int if str(field.type).startswith("int") else float
             f = click.option(f"--{field.name.replace('_', '-')}", field.name, type=kind, default=default,
                              show_default=True, help=f"{prefix}{field.name} (see docs/RESULTS.md).")(f)
         return f
