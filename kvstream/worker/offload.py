@@ -301,7 +301,7 @@ class OffloadEngine:
         with self.pool.locked():
             for h in blocks:
                 info = stage.source.info(h)
-                if h in stage.target or h in stage.pending:
+                if stage.target.holds(h) or h in stage.pending:
                     present.append(h)
                     continue
                 if info is None:
@@ -338,7 +338,7 @@ class OffloadEngine:
         block could not be reported on the target). Called under the pool lock."""
         out: list[BlockInfo] = []
         parent = info.parent_hash
-        while parent is not None and parent not in stage.target and parent not in stage.pending:
+        while parent is not None and not stage.target.holds(parent) and parent not in stage.pending:
             up = stage.source.info(parent)
             if up is None:
                 return None
@@ -376,9 +376,9 @@ class OffloadEngine:
                 info = stage.source.info(job.block_hash)
                 assert info is not None and info.pins > 0  # pinned when queued
                 parent = info.parent_hash
-                if job.block_hash in stage.target:
+                if stage.target.holds(job.block_hash):
                     present.append(job.block_hash)
-                elif parent is not None and parent not in stage.target and parent not in stage.pending:
+                elif parent is not None and not stage.target.holds(parent) and parent not in stage.pending:
                     orphans.append(job.block_hash)
                 else:
                     infos.append(info)
@@ -406,7 +406,7 @@ class OffloadEngine:
             orphans: list[int] = []
             for info, slot in zip(infos, dst):
                 parent = info.parent_hash
-                if parent is None or parent in target or parent in held:
+                if parent is None or target.holds(parent) or parent in held:
                     keep.append((info, slot))
                     registered.append(info.block_hash)
                     held.add(info.block_hash)

@@ -23,7 +23,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -210,6 +209,11 @@ class BlockTier:
     def __len__(self) -> int:
         with self._pool.locked():
             return len(self._entries)
+
+    def holds(self, block_hash: int) -> bool:
+        """``block_hash in tier`` for a caller already holding the pool lock (the
+        offload engine asks it for every block it considers)."""
+        return block_hash in self._entries
 
     def hashes(self) -> list[int]:
         with self._pool.locked():
@@ -454,6 +458,31 @@ class BlockTier:
             return e.slot
 
 
+class _PoolLock:
+    """The pool's re-entrant lock as a context manager (a class, not a generator: it is
+    entered for every metadata query, so its cost shows in simulations)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: TieredBlockPool) -> None:
+        self._pool = pool
+
+    def __enter__(self) -> None:
+        pool = self._pool
+        pool._lock.acquire()
+        pool._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        pool = self._pool
+        pool._depth -= 1
+        pending: list[Callable[[], None]] = []
+        if pool._depth == 0:
+            pending, pool._pending = pool._pending, []
+        pool._lock.release()
+        for call in pending:
+            call()
+
+
 class TieredBlockPool:
     """G1/G2/G3 block tiers of one worker (one dp rank), reporting to ``sink``.
 
@@ -470,6 +499,7 @@ class TieredBlockPool:
         self._lock = threading.RLock()
         self._depth = 0
         self._pending: list[Callable[[], None]] = []
+        self._locked = _PoolLock(self)
         self._listeners: list[PoolListener] = []
         self.device_store = device_store
         self.device = BlockTier(self, Tier.DEVICE, device_store.capacity)
@@ -518,21 +548,9 @@ class TieredBlockPool:
         raise PoolConfigError(f"this pool has no {tier.value} tier")
 
     # -- locking, events, listeners --------------------------------------------------------
-    @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> _PoolLock:
         """Hold the pool lock; listener calls queued meanwhile run after the outermost exit."""
-        self._lock.acquire()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            pending: list[Callable[[], None]] = []
-            if self._depth == 0:
-                pending, self._pending = self._pending, []
-            self._lock.release()
-            for call in pending:
-                call()
+        return self._locked
 
     def add_listener(self, listener: PoolListener) -> None:
         with self.locked():
