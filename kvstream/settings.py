@@ -65,7 +65,7 @@ class RouterSettings(BaseModel):
     ttft_prior_tokens_per_s: float = Field(20_000.0, gt=0)
     ttft_host_onboard_ratio: float = Field(0.1, ge=0)
     ttft_disk_onboard_ratio: float = Field(0.5, ge=0)
-    ttft_recompute_weight: float = Field(1.0, ge=0)
+    ttft_recompute_weight: float = Field(0.5, ge=0)
 
 
 class ReplicaSettings(BaseModel):

@@ -52,7 +52,7 @@ class SchedulerConfig:
     ttft_host_onboard_ratio: float = 0.1
     ttft_disk_onboard_ratio: float = 0.5
     #: ttft: weight of the delay a request's uncached prefill puts on later ones.
-    ttft_recompute_weight: float = 1.0
+    ttft_recompute_weight: float = 0.5
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -77,8 +77,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     """The issue's case: A holds half of a short prompt but has 30k tokens of prefill
     queued; B has no prefill queued but 100 blocks decoding. kv (§5) weighs a queued
     prefill block like a decode block (62.6 against 108) and picks A; ttft predicts
-    1.55 s on A against 0.1 s on B and picks B (costs with the recompute weight 1:
-    +0.05 s and +0.1 s)."""
+    1.55 s on A against 0.1 s on B and picks B (its cost adds the recompute weight
+    times each one's own uncached prefill time)."""
     a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2)
     b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4)
     isl = 2048
@@ -87,7 +87,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     ttft = Scheduler(TTFT, random.Random(0)).schedule(isl, 512, cands)
     assert kv.chosen == 0
     assert ttft.chosen == 1
-    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + 2 * 1024) / 20.0, 2 * 2048 / 20.0])
+    w = 1 + TTFT.ttft_recompute_weight
+    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + w * 1024) / 20.0, w * 2048 / 20.0])
 
 
 def test_onboarding_costs_by_tier_and_learned_rates() -> None:
