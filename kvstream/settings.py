@@ -64,6 +64,13 @@ class RouterSettings(BaseModel):
     max_active_decode_blocks: int | None = Field(None, ge=0)
     max_active_prefill_tokens: int | None = Field(None, ge=0)
     request_ttl_s: float = Field(300.0, gt=0)
+    #: ``kv``: the reference cost (§5); ``ttft``: predicted time to first token
+    #: (kvstream.router.policy). A route request may ask for either.
+    policy: Literal["kv", "ttft"] = "kv"
+    ttft_prior_tokens_per_s: float = Field(20_000.0, gt=0)
+    ttft_host_onboard_ratio: float = Field(0.1, ge=0)
+    ttft_disk_onboard_ratio: float = Field(0.5, ge=0)
+    ttft_recompute_weight: float = Field(0.5, ge=0)
     #: kv decisions and load in the compiled core (false: the Python reference model).
     compiled: bool = True
 

@@ -15,6 +15,7 @@ routed; request ids are a safe set, scoped per replica (kvstream.replica.request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from array import array
 from collections.abc import AsyncIterator, Mapping
@@ -22,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import anyio
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
@@ -76,6 +77,8 @@ class RouteRequest(BaseModel):
     lora_name: str | None = Field(None, max_length=256)
     query_only: bool = False
     weights: Weights | None = None
+    #: The routing policy for this request (default: the replica's ``[router] policy``).
+    policy: Literal["kv", "ttft"] | None = None
     #: Include every candidate's terms of worker_logit in the answer.
     explain: bool = False
 
@@ -212,6 +215,8 @@ def create_app(
             if w["allowed_workers"] is not None:
                 w["allowed_workers"] = frozenset(w["allowed_workers"])
             overrides = SchedulerOverrides(**w)
+        if body.policy is not None:
+            overrides = dataclasses.replace(overrides or SchedulerOverrides(), policy=body.policy)
         t0 = time.perf_counter()
         try:
             decision = replica.route(tokens, body.lora_name, body.request_id, body.query_only, overrides)

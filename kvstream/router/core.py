@@ -37,6 +37,7 @@ from kvstream.router.errors import (
     UnknownRequestError,
 )
 from kvstream.router.index import TieredIndex, WorkerKey
+from kvstream.router.policy import PrefillRates
 from kvstream.router.scheduler import (
     Candidates,
     LogitColumns,
@@ -67,6 +68,8 @@ class CoreActiveSequences:
         self.ttl_s = ttl_s
         self.clock = clock
         self.core = ActiveCore(ttl_s)
+        #: Prefill throughput per worker (the ttft policy's), as ActiveSequences.rates.
+        self.rates = PrefillRates()
 
     def __len__(self) -> int:
         return len(self.core)
@@ -84,8 +87,12 @@ class CoreActiveSequences:
             ):
                 raise DuplicateRequestError(f"request {op.request_id!r} is already active")
         elif isinstance(op, PrefillDone):
-            if not core.prefill_done(op.request_id):
+            found, seen = core.prefill_done(op.request_id, op.timestamp)
+            if not found:
                 raise _unknown(op.request_id, "prefill_done")
+            if seen is not None:  # the first prefill_done: the request's TTFT
+                worker_id, dp_rank, tokens, seconds = seen
+                self.rates.observe(WorkerKey(worker_id, dp_rank), tokens, seconds)
         elif isinstance(op, FreeRequest):
             if not core.free(op.request_id):
                 raise _unknown(op.request_id, "free")
@@ -96,6 +103,8 @@ class CoreActiveSequences:
         return self.core.expire(self.clock() if now is None else now)
 
     def remove_worker(self, worker_id: int) -> list[str]:
+        for key in [k for k in self.rates.keys() if k.worker_id == worker_id]:
+            self.rates.forget(key)
         return self.core.remove_worker(worker_id)
 
     def load(self, key: WorkerKey) -> WorkerLoad | None:

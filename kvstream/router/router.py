@@ -135,9 +135,12 @@ class Router:
         overrides: SchedulerOverrides | None = None,
     ) -> RouteDecision:
         """Choose a worker for a prompt. With a ``request_id`` and not ``query_only``,
-        the request is added to the active sequences (``decision.op``)."""
+        the request is added to the active sequences (``decision.op``). The policy is
+        the config's, or ``overrides.policy``."""
         track = request_id is not None and not query_only
-        if isinstance(self.active, CoreActiveSequences):
+        # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
+        # stays in Python, over the same load (CoreActiveSequences has its interface).
+        if isinstance(self.active, CoreActiveSequences) and self.scheduler.config.with_overrides(overrides).policy == "kv":
             return self._decide_in_core(token_ids, lora_name, request_id if track else None, overrides)
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
@@ -207,6 +210,7 @@ class Router:
             keys,
             np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
+            active.rates.rates_for(keys, self.config.scheduler.ttft_prior_tokens_per_s),
         )
         return self.scheduler.schedule(isl, self.config.block_size, candidates, overrides)
 

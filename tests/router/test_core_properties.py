@@ -151,6 +151,9 @@ def test_core_decides_as_the_reference(seed: int) -> None:
         assert len(ref.active) == len(core.active)
         for key in ref.workers():
             assert ref.active.load(key) == core.active.load(key)
+        # The ttft policy's learned rates are folded from the same ops.
+        rates = ref.active.rates
+        assert {k: rates.rate(k) for k in rates.keys()} == {k: core.active.rates.rate(k) for k in core.active.rates.keys()}
 
 
 def test_buffer_bytes_and_list_prompts_decide_alike() -> None:
