@@ -94,6 +94,7 @@ class RouteQuery(BaseModel):
     lora_name: str | None = Field(None, max_length=256)
     query_only: bool = False
     explain: bool = False
+    policy: Literal["kv", "ttft"] | None = None
 
 
 #: The binary body of a route request: little-endian u32 token ids.

@@ -144,6 +144,10 @@ class Router:
             return self._decide_in_core(token_ids, lora_name, request_id if track else None, overrides)
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
+        if isinstance(token_ids, bytes | bytearray | memoryview):  # packed LE u32 ids
+            if len(token_ids) % 4:
+                raise ValueError(f"a binary prompt is little-endian u32 token ids: {len(token_ids)} bytes is not a multiple of 4")
+            token_ids = np.frombuffer(token_ids, "<u4")
         now = self.clock()
         block_size = self.config.block_size
         local, seqs = block_hashes(token_ids, block_size, lora_name)

@@ -30,6 +30,10 @@ def test_binary_body_decides_as_json_and_tracks_the_request(served) -> None:  # 
     assert len(replica.router.active) == 1  # tracked (under the replica's scope)
     assert client.post("/v1/route?request_id=b1", content=packed(TOKENS), headers=BINARY).status_code == 409
     assert client.delete("/v1/requests/b1").status_code == 200
+    # The ttft policy (decided in Python) takes binary bodies too.
+    want = client.post("/v1/route", json={"token_ids": TOKENS, "query_only": True, "policy": "ttft"}).json()
+    r = client.post("/v1/route?query_only=true&policy=ttft", content=packed(TOKENS), headers=BINARY)
+    assert r.status_code == 200 and r.json() == want
 
 
 @pytest.mark.parametrize(
