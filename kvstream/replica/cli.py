@@ -35,6 +35,7 @@ def router_config(settings: Settings) -> RouterConfig:
         block_size=r["block_size"],
         scheduler=SchedulerConfig(**_pick(SchedulerConfig, r)),
         request_ttl_s=r["request_ttl_s"],
+        compiled=r["compiled"],
     )
 
 

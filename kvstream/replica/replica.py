@@ -56,6 +56,7 @@ from kvstream.replica.supervisor import RestartPolicy, Supervisor
 from kvstream.replica.ticks import TickCodec, Ticker, is_tick
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
+from kvstream.router.core import PromptTokens
 from kvstream.router.errors import RouterError
 from kvstream.router.router import RouteDecision
 from kvstream.router.scheduler import SchedulerOverrides
@@ -621,7 +622,7 @@ class Replica:
 
     def route(
         self,
-        token_ids: list[int],
+        token_ids: PromptTokens,
         lora_name: str | None = None,
         request_id: str | None = None,
         query_only: bool = False,

@@ -18,12 +18,12 @@ import asyncio
 import dataclasses
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import anyio
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
@@ -81,6 +81,41 @@ class RouteRequest(BaseModel):
     policy: Literal["kv", "ttft"] | None = None
     #: Include every candidate's terms of worker_logit in the answer.
     explain: bool = False
+
+
+class RouteQuery(BaseModel):
+    """The fields of a binary route request (``application/octet-stream``: the body is
+    the token ids as little-endian u32, validated in the compiled core), as query
+    parameters. Per-request weights need the JSON form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str | None = Field(None, pattern=request_ids.PATTERN)
+    lora_name: str | None = Field(None, max_length=256)
+    query_only: bool = False
+    explain: bool = False
+    policy: Literal["kv", "ttft"] | None = None
+
+
+#: The binary body of a route request: little-endian u32 token ids.
+BINARY_PROMPT = "application/octet-stream"
+
+
+class BinaryRoute(NamedTuple):
+    """A binary route request: its query fields and its body, still packed (the core
+    checks it: whole u32s)."""
+
+    query: RouteQuery
+    tokens: bytes
+
+
+def binary_route(raw: bytes, params: Mapping[str, str]) -> BinaryRoute:
+    if len(raw) > 4 * MAX_TOKENS:
+        raise HTTPException(413, f"prompt of {len(raw)} bytes exceeds {MAX_TOKENS} tokens")
+    try:
+        return BinaryRoute(RouteQuery.model_validate(dict(params)), raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
@@ -166,12 +201,17 @@ def create_app(
         metrics.http_errors.labels(status=str(exc.status_code)).inc()
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
 
-    def route_sync(raw: bytes | RouteRequest) -> dict[str, Any]:
-        body = raw if isinstance(raw, RouteRequest) else parse_route(raw)
+    def route_sync(raw: bytes | RouteRequest | BinaryRoute) -> dict[str, Any]:
+        if isinstance(raw, BinaryRoute):
+            body: RouteRequest | RouteQuery = raw.query
+            tokens: Any = raw.tokens
+        else:
+            body = raw if isinstance(raw, RouteRequest) else parse_route(raw)
+            tokens = body.token_ids
         if not replica.ready:
             raise HTTPException(503, "replica is not ready (catching up with the log)")
         overrides = None
-        if body.weights is not None:
+        if isinstance(body, RouteRequest) and body.weights is not None:
             w = body.weights.model_dump()
             if w["allowed_workers"] is not None:
                 w["allowed_workers"] = frozenset(w["allowed_workers"])
@@ -180,9 +220,7 @@ def create_app(
             overrides = dataclasses.replace(overrides or SchedulerOverrides(), policy=body.policy)
         t0 = time.perf_counter()
         try:
-            decision = replica.route(
-                body.token_ids, body.lora_name, body.request_id, body.query_only, overrides
-            )
+            decision = replica.route(tokens, body.lora_name, body.request_id, body.query_only, overrides)
         except NoEligibleWorkerError as exc:
             raise HTTPException(503, str(exc)) from None
         except DuplicateRequestError as exc:
@@ -197,10 +235,14 @@ def create_app(
         # Parsing and routing a long prompt take long (up to 1–2 s at 1M tokens): off the
         # event loop, in a bounded pool of threads (and processes for large bodies), so
         # that it keeps serving (/healthz).
-        raw: bytes | RouteRequest = await request.body()
+        raw: bytes | RouteRequest | BinaryRoute = await request.body()
         if not routing:
             routing.append(anyio.CapacityLimiter(limits.route_threads))
-        if len(raw) >= PARSE_APART_BYTES:  # type: ignore[arg-type]
+        if request.headers.get("content-type", "").split(";")[0].strip() == BINARY_PROMPT:
+            # Nothing to parse: the core reads the packed ids (with the GIL released
+            # while it routes them).
+            raw = binary_route(raw, request.query_params)  # type: ignore[arg-type]
+        elif len(raw) >= PARSE_APART_BYTES:  # type: ignore[arg-type]
             if not parsers:
                 parsers.append(ProcessPoolExecutor(limits.route_threads, mp_context=get_context("spawn")))
             async with routing[0]:

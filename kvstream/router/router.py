@@ -22,6 +22,8 @@ from kvstream.router.active import (
     FreeRequest,
     PrefillDone,
 )
+from kvstream.router.core import CoreActiveSequences, PromptTokens
+from kvstream.router.core import decide as decide_in_core
 from kvstream.router.errors import DuplicateRequestError, UnknownWorkerError
 from kvstream.router.index import NO_OVERLAP, TieredIndex, TierOverlap, WorkerKey
 from kvstream.router.scheduler import (
@@ -40,6 +42,9 @@ class RouterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     #: Active requests older than this are expired (§6).
     request_ttl_s: float = DEFAULT_TTL_S
+    #: Make kv decisions and hold the load in the compiled core (kvstream.router.core);
+    #: False runs the Python reference model (active.py, scheduler.py).
+    compiled: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -92,7 +97,11 @@ class Router:
         self.config = config or RouterConfig()
         self.clock = clock
         self.index = TieredIndex()
-        self.active = ActiveSequences(self.config.request_ttl_s, clock)
+        self.active: ActiveSequences | CoreActiveSequences = (
+            CoreActiveSequences(self.config.request_ttl_s, clock)
+            if self.config.compiled
+            else ActiveSequences(self.config.request_ttl_s, clock)
+        )
         self.scheduler = Scheduler(self.config.scheduler, rng)
 
     # -- state from the log ----------------------------------------------------------
@@ -119,7 +128,7 @@ class Router:
 
     def find_best_match(
         self,
-        token_ids: TokenIds,
+        token_ids: PromptTokens,
         lora_name: str | None = None,
         request_id: str | None = None,
         query_only: bool = False,
@@ -129,8 +138,16 @@ class Router:
         the request is added to the active sequences (``decision.op``). The policy is
         the config's, or ``overrides.policy``."""
         track = request_id is not None and not query_only
+        # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
+        # stays in Python, over the same load (CoreActiveSequences has its interface).
+        if isinstance(self.active, CoreActiveSequences) and self.scheduler.config.with_overrides(overrides).policy == "kv":
+            return self._decide_in_core(token_ids, lora_name, request_id if track else None, overrides)
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
+        if isinstance(token_ids, bytes | bytearray | memoryview):  # packed LE u32 ids
+            if len(token_ids) % 4:
+                raise ValueError(f"a binary prompt is little-endian u32 token ids: {len(token_ids)} bytes is not a multiple of 4")
+            token_ids = np.frombuffer(token_ids, "<u4")
         now = self.clock()
         block_size = self.config.block_size
         local, seqs = block_hashes(token_ids, block_size, lora_name)
@@ -152,6 +169,27 @@ class Router:
             )
             active.apply(op)
         return RouteDecision(winner, request_id, isl, len(seqs), schedule, op)
+
+    def _decide_in_core(
+        self,
+        token_ids: PromptTokens,
+        lora_name: str | None,
+        request_id: str | None,
+        overrides: SchedulerOverrides | None,
+        max_tokens: int | None = None,
+    ) -> RouteDecision:
+        assert isinstance(self.active, CoreActiveSequences)
+        now = self.clock()
+        schedule, seqs, isl = decide_in_core(
+            self.index, self.active, self.scheduler, self.scheduler.config.with_overrides(overrides),
+            self.config.block_size, token_ids, lora_name, request_id, now, max_tokens,
+        )
+        winner = schedule.candidates.workers[schedule.chosen]
+        op = None
+        if request_id is not None and seqs is not None:
+            cached = int(schedule.columns.cached_tokens[schedule.chosen])
+            op = AddRequest(request_id, winner.worker_id, winner.dp_rank, isl, cached, seqs, now)
+        return RouteDecision(winner, request_id, isl, isl // self.config.block_size, schedule, op)
 
     def schedule_hashes(
         self,

@@ -1,4 +1,5 @@
-"""Active sequences (DESIGN.md §6): load per worker, shared blocks once, expiry."""
+"""Active sequences (DESIGN.md §6): load per worker, shared blocks once, expiry; the
+Python reference and the compiled core (kvstream.router.core) alike."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvstream.router.active import (
     PrefillDone,
     WorkerLoad,
 )
+from kvstream.router.core import CoreActiveSequences
 from kvstream.router.errors import DuplicateRequestError, UnknownRequestError
 from kvstream.router.index import WorkerKey
 
@@ -32,8 +34,13 @@ def add(rid: str, key: WorkerKey, isl: int, overlap: int, hashes: tuple[int, ...
     return AddRequest(rid, key.worker_id, key.dp_rank, isl, overlap, hashes, ts)
 
 
-def test_load_counts_shared_blocks_once() -> None:
-    act = ActiveSequences(clock=Clock())
+
+@pytest.fixture(params=[ActiveSequences, CoreActiveSequences], ids=["reference", "core"])
+def Active(request: pytest.FixtureRequest) -> type:  # noqa: N802 (a class)
+    return request.param
+
+def test_load_counts_shared_blocks_once(Active: type) -> None:
+    act = Active(clock=Clock())
     assert act.load(W0) is None
     act.apply(add("a", W0, 160, 32, CHAIN, 1000))
     act.apply(add("b", W0, 96, 0, CHAIN[:6], 1000))  # shares 6 blocks with a
@@ -50,8 +57,8 @@ def test_load_counts_shared_blocks_once() -> None:
     assert act.load(W0) is None and "b" not in act and len(act) == 1
 
 
-def test_new_blocks_is_what_the_request_adds() -> None:
-    act = ActiveSequences(clock=Clock())
+def test_new_blocks_is_what_the_request_adds(Active: type) -> None:
+    act = Active(clock=Clock())
     assert act.new_blocks(W0, CHAIN) == 10
     act.apply(add("a", W0, 96, 0, CHAIN[:6], 1000))
     assert act.new_blocks(W0, CHAIN) == 4
@@ -60,14 +67,14 @@ def test_new_blocks_is_what_the_request_adds() -> None:
     assert act.new_blocks(W0, ()) == 0
     assert act.new_blocks(W1, CHAIN) == 10
     for cut in range(1, 10):
-        act2 = ActiveSequences(clock=Clock())
+        act2 = Active(clock=Clock())
         act2.apply(add("x", W0, 16 * cut, 0, CHAIN[:cut], 1000))
         assert act2.new_blocks(W0, CHAIN) == 10 - cut
 
 
-def test_expiry_after_ttl_with_an_injected_clock() -> None:
+def test_expiry_after_ttl_with_an_injected_clock(Active: type) -> None:
     clock = Clock()
-    act = ActiveSequences(ttl_s=300, clock=clock)
+    act = Active(ttl_s=300, clock=clock)
     act.apply(add("old", W0, 32, 0, CHAIN[:2], 1000))
     act.apply(add("new", W0, 32, 0, CHAIN[:2], 1200))
     act.apply(add("gone", W1, 32, 0, OTHER, 1100))
@@ -85,8 +92,8 @@ def test_expiry_after_ttl_with_an_injected_clock() -> None:
     assert "old" in act
 
 
-def test_bad_operations_are_refused_without_changing_state() -> None:
-    act = ActiveSequences(clock=Clock())
+def test_bad_operations_are_refused_without_changing_state(Active: type) -> None:
+    act = Active(clock=Clock())
     act.apply(add("a", W0, 32, 0, CHAIN[:2], 1000))
     with pytest.raises(DuplicateRequestError, match="'a' is already active"):
         act.apply(add("a", W1, 32, 0, OTHER, 1000))
@@ -98,11 +105,11 @@ def test_bad_operations_are_refused_without_changing_state() -> None:
         act.apply("free a")  # type: ignore[arg-type]
     assert act.load(W0) == WorkerLoad(32, 2, 1) and act.load(W1) is None
     with pytest.raises(ValueError, match="ttl_s"):
-        ActiveSequences(ttl_s=0)
+        Active(ttl_s=0)
 
 
-def test_remove_worker_drops_its_requests() -> None:
-    act = ActiveSequences(clock=Clock())
+def test_remove_worker_drops_its_requests(Active: type) -> None:
+    act = Active(clock=Clock())
     act.apply(add("a", W0, 32, 0, CHAIN[:2], 1000))
     act.apply(add("b", W1, 32, 0, OTHER, 1000))
     act.apply(add("c", WorkerKey(2, 0), 32, 0, OTHER, 1000))

@@ -33,6 +33,15 @@ def test_index_and_route_benches() -> None:
     for key in ("route_p50_us", "route_p99_us", "decisions_per_s"):
         assert r[key] > 0, key
     assert r["route_p99_us"] >= r["route_p50_us"]
+    for key in ("route_buffer_p50_us", "reference_route_p50_us", "decisions_speedup_vs_reference"):
+        assert r[key] > 0, key
+
+
+def test_dynamo_side_by_side() -> None:
+    pytest.importorskip("dynamo._core")
+    r = run(["index", "--json", "--dynamo", "--blocks", "20000", "--workers", "8", "--queries", "60", "--prompt-blocks", "160"])
+    for key in ("dynamo_apply_blocks_per_s", "dynamo_cold_match_p50_us", "cold_match_p50_ratio_vs_dynamo", "apply_ratio_vs_dynamo"):
+        assert r[key] > 0, key
 
 
 @pytest.mark.slow

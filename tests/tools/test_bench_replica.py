@@ -59,7 +59,7 @@ def test_restart_bench(kafka_bootstrap: str) -> None:
 def test_http_bench(kafka_bootstrap: str) -> None:
     out = run_bench(
         "http", "--bootstrap", kafka_bootstrap, "--blocks", "20000", "--workers", "8", "--prompts", "10",
-        "--requests", "40", "--clients", "2", "--partitions", "2",
+        "--requests", "40", "--clients", "2", "--partitions", "2", "--load-generator", "python",
     )
     assert out["bench"] == "http"
     assert out["prompt_tokens"] == 8192
@@ -67,3 +67,15 @@ def test_http_bench(kafka_bootstrap: str) -> None:
     assert out["route_p50_us"] <= out["route_p99_us"]
     # A loopback round trip with JSON of 8k token ids cannot beat the in-process call.
     assert out["route_p50_us"] > out["baseline_route_p50_us"]
+
+
+def test_http_bench_with_wrk(kafka_bootstrap: str) -> None:
+    out = run_bench(
+        "http", "--bootstrap", kafka_bootstrap, "--blocks", "20000", "--workers", "8", "--prompts", "10",
+        "--clients", "2", "--partitions", "2", "--duration", "1",
+    )
+    assert out["load_generator"] == "wrk"
+    for fmt in ("json", "binary"):
+        positive(out, f"{fmt}_requests_per_s", f"{fmt}_p50_us", f"{fmt}_p99_us", f"{fmt}_http_to_in_process_ratio")
+        assert out[f"{fmt}_p50_us"] <= out[f"{fmt}_p99_us"]
+    positive(out, "in_process_list_decisions_per_s", "in_process_bytes_decisions_per_s")

@@ -391,8 +391,32 @@ impl IndexCore {
     /// lookup) at a time, and the walk stops as soon as none extends, so the prompt's
     /// hashes are read from the list only as far as some worker matches.
     fn find_matches(&self, hashes: &Bound<'_, PyList>, chained: bool) -> PyResult<Vec<(usize, (u32, u32, u32, u32))>> {
-        let n = hashes.len();
-        let mut seqs: Vec<u64> = Vec::with_capacity(n);
+        let mut seqs: Vec<u64> = Vec::with_capacity(hashes.len());
+        let mut fill = |seqs: &mut Vec<u64>, end: usize| -> PyResult<()> {
+            while seqs.len() < end {
+                let h = hashes.get_item(seqs.len())?.extract::<u64>()?;
+                seqs.push(match seqs.last() {
+                    Some(&prev) if !chained => chain(prev, h),
+                    _ => h, // a sequence hash, or the first block (seq = local)
+                });
+            }
+            Ok(())
+        };
+        let found = self.walk(hashes.len(), &mut seqs, &mut fill)?;
+        Ok(found.into_iter().map(|(s, c)| (s, (c[0], c[1], c[2], c[3]))).collect())
+    }
+}
+
+impl IndexCore {
+    /// Per slot with any match, its per-tier counts for the prompt whose `n` sequence
+    /// hashes `fill(seqs, end)` appends to `seqs` up to `end` (lazily, as far as the walk
+    /// goes; kvstream/_native_src/src/route.rs passes them all at once).
+    pub(crate) fn walk(
+        &self,
+        n: usize,
+        seqs: &mut Vec<u64>,
+        fill: &mut dyn FnMut(&mut Vec<u64>, usize) -> PyResult<()>,
+    ) -> PyResult<Vec<(usize, [u32; TIERS])>> {
         let mut out = Vec::new();
         for (group, &known) in self.known.iter().enumerate() {
             if known == 0 || n == 0 {
@@ -412,13 +436,7 @@ impl IndexCore {
                     // Look up the next positions together: the loads are independent, so
                     // their cache misses overlap instead of following one another.
                     let end = (i + LOOKAHEAD).min(n);
-                    while seqs.len() < end {
-                        let h = hashes.get_item(seqs.len())?.extract::<u64>()?;
-                        seqs.push(match seqs.last() {
-                            Some(&prev) if !chained => chain(prev, h),
-                            _ => h, // a sequence hash, or the first block (seq = local)
-                        });
-                    }
+                    fill(seqs, end)?;
                     batch.clear();
                     batch.extend(seqs[i..end].iter().map(|s| owners.get(s).copied().unwrap_or([0; TIERS])));
                     batch_start = i;
@@ -463,7 +481,7 @@ impl IndexCore {
                 let b = matched.trailing_zeros() as usize;
                 matched &= matched - 1;
                 let c = counts[b];
-                out.push((group * 64 + b, (c[0], c[1], c[2], c[3])));
+                out.push((group * 64 + b, c));
             }
         }
         Ok(out)

@@ -13,6 +13,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 mod avro_check;
 mod event_encode;
 mod index;
+mod route;
 
 /// Seed of the chained sequence hash (and of local hashes without LoRA).
 const CHAIN_SEED: u64 = 1337;
@@ -126,6 +127,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_class::<index::IndexCore>()?;
+    m.add_class::<route::ActiveCore>()?;
     m.add_class::<avro_check::AvroLayout>()?;
     m.add_function(wrap_pyfunction!(event_encode::encode_event_batch, m)?)?;
     Ok(())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -51,3 +52,16 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
     width = max(len(k) for k in result)
     for k, v in result.items():
         click.echo(f"{k:<{width}}  {v}")
+
+
+def rss_bytes() -> int:
+    """Resident set size (the compiled tables live outside Python's allocator, so
+    tracemalloc would not see them)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+dynamo_option = click.option(
+    "--dynamo", "with_dynamo", is_flag=True,
+    help="Also run NVIDIA Dynamo's RadixTree on the same workload (ai-dynamo-runtime).",
+)

@@ -6,9 +6,11 @@ State: the ``kvstream bench index`` workload (``--blocks`` over ``--workers`` wo
 lower tiers included) with each block's local hash made the hash of real tokens, written
 to the events topic as workers publish it and folded by a real replica. Requests: 8k-token
 prompts (a held conversation continued with fresh tokens), ``query_only`` so that the
-load does not grow, sent by ``--clients`` concurrent clients (threads with keep-alive
-httpx connections) in a child process, so that clients and server do not share one
-interpreter. Latency is the client's: request sent → response read and parsed.
+load does not grow. By default ``wrk`` (compiled; installed with apt-get when absent)
+sends them over ``--clients`` keep-alive connections for ``--duration`` seconds, once as
+JSON and once as binary bodies (little-endian u32); ``--load-generator python`` uses
+threads with httpx connections in a child process instead (JSON only; the Python client
+is itself a limit). Latency is the client's: request sent → response read.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_
 from kvstream.tools.bench.index import make_workload
 from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
 from kvstream.tools.bench.restart import replica_options, worker_log
+from kvstream.tools.bench.wrk import ensure_wrk, run_wrk
 
 VOCAB = 152_064
 
@@ -176,6 +179,12 @@ class Server:
 @click.option("--prompts", "n_prompts", default=200, show_default=True, help="Distinct 8k-token prompts.")
 @click.option("--requests", "n_requests", default=2000, show_default=True)
 @click.option("--clients", default=4, show_default=True, help="Concurrent clients.")
+@click.option(
+    "--load-generator", type=click.Choice(["wrk", "python"]), default="wrk", show_default=True,
+    help="wrk (compiled, installed with apt-get when absent) for both body formats, or "
+    "the Python httpx clients (JSON only).",
+)
+@click.option("--duration", default=10.0, show_default=True, help="Seconds of wrk load per body format.")
 @click.option("--partitions", default=12, show_default=True)
 @click.option("--timeout", default=600.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
@@ -187,12 +196,16 @@ def http_bench(
     n_prompts: int,
     n_requests: int,
     clients: int,
+    load_generator: str,
+    duration: float,
     partitions: int,
     timeout: float,
     seed: int,
     as_json: bool,
 ) -> None:
     """POST /v1/route latency and requests/s vs. in-process Replica.route."""
+    if load_generator == "wrk":
+        ensure_wrk()  # before the minutes of setup
     click.echo(f"building an index workload of {n_blocks:,} blocks...", err=True)
     events, prompts, blocks = token_workload(n_blocks, n_workers, n_prompts, 16, seed)
     records = worker_log(events)
@@ -206,7 +219,10 @@ def http_bench(
         replica.start()
         try:
             wait_settled(replica, settings, timeout, "replica folding the log")
-            result = _measure(replica, prompts, bodies, n_requests, clients, timeout)
+            if load_generator == "wrk":
+                result = _measure_wrk(replica, prompts, clients, duration)
+            else:
+                result = _measure(replica, prompts, bodies, n_requests, clients, timeout)
         finally:
             replica.stop()
     emit(
@@ -218,6 +234,7 @@ def http_bench(
             "prompts": len(prompts),
             "requests": n_requests,
             "clients": clients,
+            "load_generator": load_generator,
             **result,
         },
         as_json,
@@ -254,4 +271,48 @@ def _measure(
         "baseline_decisions_per_s": round(base_rate),
         "p50_ratio_to_baseline": round(p50 / base_p50, 2),
         "throughput_ratio_to_baseline": round(rate / base_rate, 3),
+    }
+
+
+def _measure_wrk(replica: Replica, prompts: Sequence[list[int]], connections: int, duration: float) -> dict[str, Any]:
+    """wrk against the server for JSON and binary bodies; the in-process decision rate
+    (sequential, from lists and from bytes) in the same run."""
+    packed = [np.asarray(p, dtype="<u4").tobytes() for p in prompts]
+    in_process = {}
+    for name, inputs in (("list", prompts), ("bytes", packed)):
+        n = max(200, len(inputs))
+        it = iter(range(n))
+        samples = time_calls(lambda: replica.route(inputs[next(it) % len(inputs)], query_only=True), n)
+        in_process[name] = (n / (sum(samples) / 1e9), *percentiles_us(samples, 50, 99))
+    formats = {
+        "json": ("/v1/route", "application/json", [orjson.dumps({"token_ids": p, "query_only": True}) for p in prompts]),
+        "binary": ("/v1/route?query_only=true", "application/octet-stream", packed),
+    }
+    out: dict[str, Any] = {}
+    with Server(replica) as server:
+        # One answer of each format checked against the in-process decision first.
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            want = replica.route(prompts[0], query_only=True).chosen.logit
+            for path, ctype, bodies in formats.values():
+                got = http.post(path, content=bodies[0], headers={"content-type": ctype})
+                if got.status_code != 200 or got.json()["logit"] != want:
+                    raise click.ClickException(f"{ctype} answer differs from in-process: {got.text[:200]}")
+        for name, (path, ctype, bodies) in formats.items():
+            click.echo(f"wrk: {connections} connections, {duration:g}s of {name} bodies...", err=True)
+            r = run_wrk(server.url, path, bodies, ctype, connections, min(connections, 2), duration)
+            base_rate = in_process["list" if name == "json" else "bytes"][0]
+            out |= {
+                f"{name}_requests_per_s": r["requests_per_s"],
+                f"{name}_p50_us": r["p50_us"],
+                f"{name}_p99_us": r["p99_us"],
+                f"{name}_requests": r["requests"],
+                f"{name}_http_to_in_process_ratio": round(r["requests_per_s"] / base_rate, 3),
+            }
+    return {
+        **out,
+        "baseline": "Replica.route in-process, same prompts, sequential (lists for JSON, bytes for binary)",
+        "in_process_list_decisions_per_s": round(in_process["list"][0]),
+        "in_process_list_p50_us": in_process["list"][1],
+        "in_process_bytes_decisions_per_s": round(in_process["bytes"][0]),
+        "in_process_bytes_p50_us": in_process["bytes"][1],
     }

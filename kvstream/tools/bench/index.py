@@ -17,7 +17,6 @@ intersections for matching.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,15 @@ import numpy as np
 from kvstream.events.model import LOWER_TIERS, Removed, RouterEvent, Stored, Tier
 from kvstream.hashing import sequence_hashes
 from kvstream.router.index import TieredIndex, TierOverlap, WorkerKey
-from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
+from kvstream.tools.bench.dynamo_peer import side_by_side
+from kvstream.tools.bench.common import (
+    dynamo_option,
+    emit,
+    json_option,
+    percentiles_us,
+    rss_bytes,
+    time_calls,
+)
 
 SYSTEM_BLOCKS = 64
 
@@ -164,13 +171,6 @@ def _apply_rate(apply, events: Sequence[RouterEvent]) -> float:
         gc.enable()
 
 
-def _rss_bytes() -> int:
-    """Resident set size (the core's tables live outside Python's allocator, so
-    tracemalloc would not see them)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 @click.command("index")
 @click.option("--blocks", "n_blocks", default=1_000_000, show_default=True, help="Block identities indexed over all tiers.")
 @click.option("--workers", "n_workers", default=64, show_default=True)
@@ -179,6 +179,7 @@ def _rss_bytes() -> int:
 @click.option("--prompt-blocks", default=512, show_default=True, help="Blocks per query (512 = 8k tokens of 16).")
 @click.option("--queries", "n_queries", default=2000, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@dynamo_option
 @json_option
 def index_bench(
     n_blocks: int,
@@ -188,6 +189,7 @@ def index_bench(
     prompt_blocks: int,
     n_queries: int,
     seed: int,
+    with_dynamo: bool,
     as_json: bool,
 ) -> None:
     """Block events applied per second, find_matches_by_tier p50/p99 and bytes per
@@ -200,10 +202,10 @@ def index_bench(
     # builds would reuse pages freed by earlier ones).
     index = TieredIndex()
     gc.collect()
-    rss_before = _rss_bytes()
+    rss_before = rss_bytes()
     apply_rate = _apply_rate(index.apply, w.events)
     gc.collect()
-    rss = _rss_bytes() - rss_before
+    rss = rss_bytes() - rss_before
     heap = index.heap_bytes()
     indexed = sum(sum(s.values()) for s in index.tree_sizes().values())
     base = DictOfSetsIndex()
@@ -234,6 +236,8 @@ def index_bench(
     remove_worker_s = (time.perf_counter() - t0) / n_workers
     if index.tree_sizes():
         raise click.ClickException("workers left after removing all of them")
+
+    peer = side_by_side(w.events, [local for local, _ in w.queries]) if with_dynamo else None
 
     p50, p99 = percentiles_us(local_only, 50, 99)
     seq_p50, seq_p99 = percentiles_us(with_seq, 50, 99)
@@ -270,6 +274,7 @@ def index_bench(
             "baseline_match_p99_us": b99,
             "apply_speedup": round(apply_rate / base_apply_rate, 2),
             "match_p50_speedup": round(b50 / seq_p50, 2),
+            **(peer or {}),
         },
         as_json,
     )

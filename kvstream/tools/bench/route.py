@@ -3,7 +3,10 @@ second for 8k-token prompts, with a breakdown (hashing, matching, scoring).
 
 The index is the ``kvstream bench index`` workload; prompts are token lists whose blocks
 are those of held conversations (so matches are real), continued with fresh tokens.
-Every timed decision adds its request to the active sequences and one in two is freed
+The decision is the compiled one (kvstream.router.core), timed with prompts as Python
+lists and as numpy uint32 buffers, against the Python reference model
+(``RouterConfig(compiled=False)``) over the same index in the same run. Every timed
+decision adds its request to the active sequences and one in two is freed
 again, so the scheduler scores loaded workers (``route_*``); ``decisions_per_s`` and
 ``query_only_*`` time query-only decisions against that load. The baseline is the same decision with a plain
 per-block xxhash loop for the prompt hashes (the hashing bench's baseline).
@@ -12,15 +15,18 @@ per-block xxhash loop for the prompt hashes (the hashing bench's baseline).
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 import time
+from collections.abc import Sequence
 
 import click
 import numpy as np
 
 from kvstream import hashing
 from kvstream.router import Router, RouterConfig
-from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
+from kvstream.tools.bench.common import best_of, dynamo_option, emit, json_option, percentiles_us, time_calls
+from kvstream.tools.bench.dynamo_peer import side_by_side
 from kvstream.tools.bench.index import make_workload
 
 
@@ -31,6 +37,7 @@ from kvstream.tools.bench.index import make_workload
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--prompt-blocks", default=512, show_default=True, help="512 blocks of 16 = 8k tokens.")
 @click.option("--seed", default=0, show_default=True)
+@dynamo_option
 @json_option
 def route_bench(
     n_blocks: int,
@@ -39,6 +46,7 @@ def route_bench(
     block_size: int,
     prompt_blocks: int,
     seed: int,
+    with_dynamo: bool,
     as_json: bool,
 ) -> None:
     """find_best_match p50/p99 (hashing included) and decisions/s, with a breakdown."""
@@ -70,21 +78,38 @@ def route_bench(
         )
     del tokens_of
 
+    # The Python reference model (active.py + scheduler.py) over the same index, fed
+    # the same decisions: the baseline of the compiled decision.
+    reference = Router(
+        RouterConfig(block_size=block_size, compiled=False), clock=time.monotonic, rng=random.Random(seed)
+    )
+    reference.index = router.index
+    buffers = [np.array(p, dtype=np.uint32) for p in prompts]
     counter = iter(range(10**9))
 
-    def decide(tokens: list[int]) -> None:
+    def decide(r: Router, tokens: Sequence[int] | np.ndarray) -> None:
         i = next(counter)
-        router.find_best_match(tokens, request_id=f"r{i}")
+        r.find_best_match(tokens, request_id=f"r{i}")
         if i % 2:
-            router.free(f"r{i}")
+            r.free(f"r{i}")
+
+    def rate(r: Router, inputs: Sequence[Sequence[int] | np.ndarray]) -> float:
+        """Query-only decisions per second, single-threaded: the best of 5 rounds of
+        100 (the machine is shared: a round that met a load spike is not the rate)."""
+        cycle = itertools.cycle(inputs)
+        return 1 / best_of(lambda: r.find_best_match(next(cycle), query_only=True), 100)
 
     gc.collect()
     it = iter(prompts)
-    samples = time_calls(lambda: decide(next(it)), len(prompts))
-    t0 = time.perf_counter()
-    for p in prompts[:500]:
-        router.find_best_match(p, query_only=True)
-    decisions_per_s = min(500, len(prompts)) / (time.perf_counter() - t0)
+    samples = time_calls(lambda: decide(router, next(it)), len(prompts))
+    it_buf = iter(buffers)
+    samples_buf = time_calls(lambda: decide(router, next(it_buf)), len(buffers))
+    n_ref = max(50, len(prompts) // 4)
+    it_ref = iter(prompts)
+    samples_ref = time_calls(lambda: decide(reference, next(it_ref)), n_ref)
+    decisions_per_s = rate(router, prompts)
+    decisions_per_s_buffer = rate(router, buffers)
+    decisions_per_s_ref = rate(reference, prompts[:n_ref])
 
     # Breakdown on the same prompts: each stage alone.
     it = iter(prompts)
@@ -102,7 +127,10 @@ def route_bench(
     n_base = max(20, len(prompts) // 10)
     t_base_hash = time_calls(lambda: hashing.py_block_hashes(next(it3), block_size, seed_, True), n_base)
 
+    peer = side_by_side(w.events, [local for local, _ in w.queries]) if with_dynamo else None
     p50, p99 = percentiles_us(samples, 50, 99)
+    buf50, buf99 = percentiles_us(samples_buf, 50, 99)
+    ref50, ref99 = percentiles_us(samples_ref, 50, 99)
     h50, _ = percentiles_us(t_hash, 50, 99)
     m50, m99 = percentiles_us(t_match, 50, 99)
     b50, _ = percentiles_us(t_base_hash, 50, 99)
@@ -117,9 +145,22 @@ def route_bench(
             "prompt_tokens": prompt_blocks * block_size,
             "requests": len(prompts),
             "active_requests_at_end": len(router.active),
+            # The compiled decision (kvstream.router.core), prompts as Python lists.
             "route_p50_us": p50,
             "route_p99_us": p99,
+            # The same, prompts as numpy uint32 buffers.
+            "route_buffer_p50_us": buf50,
+            "route_buffer_p99_us": buf99,
             "decisions_per_s": round(decisions_per_s),
+            "decisions_per_s_buffer": round(decisions_per_s_buffer),
+            # The Python reference model (RouterConfig(compiled=False)), same index and
+            # prompts, in the same run.
+            "reference_route_p50_us": ref50,
+            "reference_route_p99_us": ref99,
+            "reference_decisions_per_s": round(decisions_per_s_ref),
+            "route_p50_speedup_vs_reference": round(ref50 / p50, 2),
+            "route_buffer_p50_speedup_vs_reference": round(ref50 / buf50, 2),
+            "decisions_speedup_vs_reference": round(decisions_per_s / decisions_per_s_ref, 2),
             # Query-only decisions (no active-sequence op applied).
             "query_only_p50_us": q50,
             "query_only_p99_us": q99,
@@ -128,15 +169,19 @@ def route_bench(
             "matching_p50_us": m50,
             "matching_p99_us": m99,
             "load_lookup_p50_us": l50,
-            # The rest of a decision: building the candidate columns, scoring,
-            # selection, and adding the request to the active sequences.
-            "scoring_and_rest_p50_us": round(p50 - h50 - m50 - l50, 3),
             # Derived: the measured route p50 with the measured per-block xxhash loop
             # in place of the kernel for the prompt hashes.
             "baseline": "route with per-block xxhash loop hashing (derived from measured parts)",
             "baseline_hashing_p50_us": b50,
             "baseline_route_p50_us": round(p50 - h50 + b50, 3),
             "route_speedup": round((p50 - h50 + b50) / p50, 2),
+            # A whole kvstream decision (hashing, load, scoring included) against Dynamo's
+            # cold device-tier match alone.
+            **(
+                {**peer, "route_p50_ratio_vs_dynamo_match": round(p50 / peer["dynamo_cold_match_p50_us"], 2)}
+                if peer
+                else {}
+            ),
         },
         as_json,
     )
