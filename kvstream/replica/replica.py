@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
+from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
@@ -479,9 +480,14 @@ class Replica:
         request_id: str | None = None,
         query_only: bool = False,
         overrides: SchedulerOverrides | None = None,
+        *,
+        cache_salt: str | None = None,
+        mm: Sequence[MmSpan] = (),
     ) -> RouteDecision:
         with self.lock:
-            decision = self.router.find_best_match(token_ids, lora_name, request_id, query_only, overrides)
+            decision = self.router.find_best_match(
+                token_ids, lora_name, request_id, query_only, overrides, cache_salt=cache_salt, mm=mm
+            )
         if decision.op is not None:
             self._share(decision.op)
         return decision

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvstream.hashing import MmSpan
 from kvstream.replica.peer import stream_snapshot
 from kvstream.replica.replica import Replica
 from kvstream.router.errors import (
@@ -51,12 +52,24 @@ class Weights(BaseModel):
     allowed_workers: list[Annotated[int, Field(ge=0, lt=1 << 64)]] | None = None
 
 
+class MmSpanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hash: int = Field(..., ge=0, lt=1 << 64)
+    offset: int = Field(..., ge=0)
+    length: int = Field(..., ge=1)
+
+
 class RouteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     token_ids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(..., max_length=MAX_TOKENS)
     request_id: str | None = Field(None, min_length=1, max_length=256)
     lora_name: str | None = Field(None, max_length=256)
+    #: Cache salt (Dynamo's cache_namespace): blocks are shared only under the same salt.
+    cache_salt: str | None = Field(None, max_length=256)
+    #: Multimodal objects in the prompt: their hashes enter the blocks they overlap.
+    mm: list[MmSpanBody] = Field(default_factory=list, max_length=1024)
     query_only: bool = False
     weights: Weights | None = None
     #: Include every candidate's terms of worker_logit in the answer.
@@ -107,7 +120,8 @@ def create_app(replica: Replica, token: str | None = None) -> FastAPI:
         t0 = time.perf_counter()
         try:
             decision = replica.route(
-                body.token_ids, body.lora_name, body.request_id, body.query_only, overrides
+                body.token_ids, body.lora_name, body.request_id, body.query_only, overrides,
+                cache_salt=body.cache_salt, mm=[MmSpan(m.hash, m.offset, m.length) for m in body.mm],
             )
         except NoEligibleWorkerError as exc:
             raise HTTPException(503, str(exc)) from None

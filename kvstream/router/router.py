@@ -13,7 +13,7 @@ from itertools import chain
 import numpy as np
 
 from kvstream.events.model import RouterEvent
-from kvstream.hashing import DEFAULT_BLOCK_SIZE, TokenIds, block_hashes
+from kvstream.hashing import DEFAULT_BLOCK_SIZE, MmSpan, TokenIds, block_hashes
 from kvstream.router.active import (
     DEFAULT_TTL_S,
     ActiveOp,
@@ -124,15 +124,19 @@ class Router:
         request_id: str | None = None,
         query_only: bool = False,
         overrides: SchedulerOverrides | None = None,
+        *,
+        cache_salt: str | None = None,
+        mm: Sequence[MmSpan] = (),
     ) -> RouteDecision:
         """Choose a worker for a prompt. With a ``request_id`` and not ``query_only``,
-        the request is added to the active sequences (``decision.op``)."""
+        the request is added to the active sequences (``decision.op``). ``cache_salt``
+        and ``mm`` (multimodal spans) change the blocks' identity as in DESIGN §1."""
         track = request_id is not None and not query_only
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
         now = self.clock()
         block_size = self.config.block_size
-        local, seqs = block_hashes(token_ids, block_size, lora_name)
+        local, seqs = block_hashes(token_ids, block_size, lora_name, cache_salt=cache_salt, mm=mm)
         isl = len(token_ids)
         schedule = self.schedule_hashes(isl, local, seqs, overrides, now)
         winner = schedule.candidates.workers[schedule.chosen]
