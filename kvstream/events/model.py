@@ -36,6 +36,7 @@ _MEDIUM_TO_TIER: dict[str, Tier] = {
     "CPU_TIER2": Tier.DISK,
     "DISK": Tier.DISK,
     "NVME": Tier.DISK,
+    "STORAGE": Tier.DISK,  # vLLM's file / object offloading tiers
     "EXTERNAL": Tier.EXTERNAL,
     "NETWORK": Tier.EXTERNAL,
     "REMOTE": Tier.EXTERNAL,
@@ -95,7 +96,8 @@ class Removed:
 
 @dataclass(frozen=True, slots=True)
 class Cleared:
-    """Every block of the worker is gone, on every tier and every rank."""
+    """Every block of rank ``dp_rank`` of the worker is gone from ``tier`` (the other
+    ranks and tiers keep theirs). A new epoch, not this event, wipes every rank."""
 
     worker_id: int
     dp_rank: int

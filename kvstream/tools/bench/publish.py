@@ -63,7 +63,7 @@ class _CountingWriter:
     def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None:
         self.blocks += len(block_hashes)
 
-    def cleared(self, dp_rank: int) -> None:
+    def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None:
         return None
 
 
