@@ -19,7 +19,7 @@ from kvstream.tools.bench.common import emit, json_option
 from kvstream.tools.bench.kafka_env import kafka_env
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
+from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, ZmqEngineBridge
 
 WORKER_ID = 1
 
@@ -131,7 +131,7 @@ def publish_bench(
 def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode: Mode) -> dict[str, object]:
     # Without Kafka: parsing, hashing and consolidation alone.
     counter = _CountingWriter()
-    bridge = ZmqEngineBridge(BridgeOptions(endpoint="inproc://unused"), Consolidator(counter, mode))
+    bridge = ZmqEngineBridge(BridgeOptions((Endpoint("inproc://unused"),)), Consolidator(counter, mode))
     t0 = time.perf_counter()
     for f in frames:
         bridge.handle_frames(f)
@@ -141,7 +141,7 @@ def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode:
 
     publisher = KafkaPublisher(settings, PublisherOptions(worker_id=WORKER_ID, listen_control=False))
     consolidator = Consolidator(publisher, mode)
-    bridge = ZmqEngineBridge(BridgeOptions(endpoint="inproc://unused"), consolidator)
+    bridge = ZmqEngineBridge(BridgeOptions((Endpoint("inproc://unused"),)), consolidator)
     try:
         if publisher.flush(60):  # warm: connection, metadata, the epoch's first batch
             raise click.ClickException("Kafka did not acknowledge the first batch")
