@@ -13,6 +13,10 @@ from enum import Enum
 from kvstream.events.errors import EventError, UnknownMediumError
 
 U64_MAX = (1 << 64) - 1
+#: Kafka header of an event batch: JSON ``{issue: count}`` of what the worker's engine
+#: sent that could not be applied (e.g. ``block_size_mismatch``), for /v1/workers.
+#: Advisory, outside the fold: only batches sent while such counts exist carry it.
+STATUS_HEADER = "kvstream-worker-status"
 
 
 class Tier(str, Enum):

@@ -10,6 +10,7 @@ at a time. A second thread shares load through ``kvstream.active``. The HTTP ser
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
+from kvstream.events.model import STATUS_HEADER
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
@@ -107,6 +109,8 @@ class Replica:
         self._threads: list[threading.Thread] = []
         self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id}))
         self._lag: dict[int, int] = {}
+        #: worker id → its engine issues, from the newest STATUS_HEADER seen.
+        self._worker_status: dict[int, dict] = {}
         self._start_offsets: dict[int, int] = {}
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
@@ -318,6 +322,8 @@ class Replica:
             records += 1
             headers = m.headers()
             is_tick = bool(headers) and any(k == TICK_HEADER for k, _ in headers)
+            if headers:
+                self._note_worker_status(m.key(), headers)
             out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick)
             m_applied += out.applied_events
             if out.dlq_reason is not None:
@@ -401,6 +407,17 @@ class Replica:
     def lag(self) -> dict[int, int]:
         return dict(self._lag)
 
+    def _note_worker_status(self, key: bytes | None, headers: list) -> None:
+        """A worker's engine issues (STATUS_HEADER), shown by /v1/workers."""
+        for k, v in headers:
+            if k == STATUS_HEADER and key is not None and len(key) == 8:
+                try:
+                    status = json.loads(v)
+                except ValueError:
+                    continue  # advisory only: a bad header changes nothing
+                if isinstance(status, dict):
+                    self._worker_status[int.from_bytes(key, "big")] = status
+
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
         with self.lock:
@@ -417,6 +434,7 @@ class Replica:
                     partition=wlog.partition,
                     lag=self._lag.get(wlog.partition),
                     last_seen_ms=wlog.last_seen_ms,
+                    engine_issues=self._worker_status.get(wid, {}),
                 )
         return {"replica_id": self.replica_id, "ready": self.ready, "workers": out}
 

@@ -19,9 +19,20 @@ from kvstream.worker.bridge_state import BridgeCheckpoint, BridgeStateStore
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.errors import PublisherError
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
+from kvstream.worker.zmq_bridge import BridgeOptions, Issue, ZmqEngineBridge
 
 log = get_logger(__name__)
+
+#: Engine input issues that mean a misconfigured engine or lost blocks: shown by the
+#: routers' /v1/workers (through the batches' status header), not only in metrics.
+REPORTED_ISSUES: tuple[Issue, ...] = (
+    Issue.BLOCK_SIZE_MISMATCH,
+    Issue.UNKNOWN_MEDIUM,
+    Issue.LORA_WITHOUT_NAME,
+    Issue.UNRESOLVED_PLACEHOLDER,
+    Issue.UNSUPPORTED_IDENTITY,
+    Issue.UNRECOVERED,
+)
 
 #: How often the loop reports what it did (a worker runs for ever: this is its progress).
 STATUS_EVERY_S = 30.0
@@ -102,6 +113,9 @@ class EngineNode:
         """One round: engine messages, resync when engine history was lost, the
         publisher's housekeeping, a checkpoint when due."""
         self.bridge.poll(timeout_ms, max_messages=256)
+        issues = self.bridge.issues
+        if any(issues[i] for i in REPORTED_ISSUES):
+            self.publisher.status = {i.value: issues[i] for i in REPORTED_ISSUES if issues[i]}
         if self.bridge.resync_reason is not None:
             reason, self.bridge.resync_reason = self.bridge.resync_reason, None
             self.publisher.resync(self.consolidator, reason)

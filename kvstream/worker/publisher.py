@@ -28,6 +28,7 @@ Single-threaded: the worker loop calls the writer methods, :meth:`~KafkaPublishe
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import EventError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import STATUS_HEADER, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
@@ -307,6 +308,9 @@ class KafkaPublisher:
         #: Why no more events are taken (closed, or a fatal producer error); None: open.
         self._stopped: str | None = None
         self._released = False
+        #: Counts of engine input the worker could not apply, sent as a header
+        #: (STATUS_HEADER) on every batch while non-empty; set by the worker.
+        self.status: dict[str, int] = {}
         if resume is None:
             self._start_epoch()
         else:
@@ -428,7 +432,8 @@ class KafkaPublisher:
         waited_since: float | None = None
         while True:
             try:
-                producer.produce(self._topic, value=value, key=self._key, on_delivery=callback)
+                headers = [(STATUS_HEADER, json.dumps(self.status).encode())] if self.status else None
+                producer.produce(self._topic, value=value, key=self._key, on_delivery=callback, headers=headers)
                 break
             except KafkaException as exc:
                 # Refused before queueing (e.g. the topic is known not to exist): a

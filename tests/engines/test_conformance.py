@@ -168,6 +168,11 @@ def test_block_size_mismatch_counted(env: Env, sglang: EngineKit) -> None:
         r.publish(sglang.stored([100], None, T[:16]))
         r.sees(T, TierOverlap(device=1))
         assert r.node.bridge.issues[Issue.BLOCK_SIZE_MISMATCH] == 32
+        # The routers show it too (/v1/workers), from the worker's batches.
+        eventually(
+            lambda: env.replica.workers_view()["workers"][str(r.worker_id)].get("engine_issues"),
+            {"block_size_mismatch": 32},
+        )
 
 
 def test_cache_salt_sglang(env: Env, sglang: EngineKit) -> None:
