@@ -161,11 +161,11 @@ def test_data_parallel_ranks_under_one_worker(env: Env, engine: EngineKit) -> No
             assert not env.replica.fold.counters["batch_stale_epoch"]
 
 
-def test_block_size_mismatch_counted(env: Env, sglang: EngineKit) -> None:
+def test_block_size_mismatch_counted(env: Env, engine: EngineKit) -> None:
     # SGLang's default page size is 1: one-token blocks never match 16-token routing.
-    with Rig(env, sglang) as r:
-        r.publish(sglang.stored(list(range(1, 33)), None, T[:32], block_size=1))
-        r.publish(sglang.stored([100], None, T[:16]))
+    with Rig(env, engine) as r:
+        r.publish(engine.stored(list(range(1, 33)), None, T[:32], block_size=1))
+        r.publish(engine.stored([100], None, T[:16]))
         r.sees(T, TierOverlap(device=1))
         assert r.node.bridge.issues[Issue.BLOCK_SIZE_MISMATCH] == 32
         # The routers show it too (/v1/workers), from the worker's batches.
@@ -173,6 +173,26 @@ def test_block_size_mismatch_counted(env: Env, sglang: EngineKit) -> None:
             lambda: env.replica.workers_view()["workers"][str(r.worker_id)].get("engine_issues"),
             {"block_size_mismatch": 32},
         )
+
+
+def test_route_over_http_with_salt_and_multimodal(env: Env, sglang: EngineKit) -> None:
+    """POST /v1/route with cache_salt and mm spans credits the worker holding those
+    blocks, and a plain prompt the one holding plain blocks."""
+    from fastapi.testclient import TestClient
+
+    from kvstream.replica.service import create_app
+
+    with Rig(env, sglang) as salted, Rig(env, sglang) as plain:
+        salted.publish(sglang.stored([1, 2, 3], None, T[:48], cache_salt="tenant-a"))
+        plain.publish(sglang.stored([1, 2], None, T[:32]))
+        salted.sees(T, TierOverlap(device=3), cache_salt="tenant-a")
+        plain.sees(T, TierOverlap(device=2))
+        client = TestClient(create_app(env.replica))
+        body = {"token_ids": T, "query_only": True, "weights": {"allowed_workers": [salted.worker_id, plain.worker_id]}}
+        assert client.post("/v1/route", json={**body, "cache_salt": "tenant-a"}).json()["worker_id"] == salted.worker_id
+        assert client.post("/v1/route", json=body).json()["worker_id"] == plain.worker_id
+        bad = client.post("/v1/route", json={**body, "mm": [{"hash": 1, "offset": 0, "length": 0}]})
+        assert bad.status_code == 422
 
 
 def test_cache_salt_sglang(env: Env, sglang: EngineKit) -> None:
@@ -229,9 +249,11 @@ def test_lookahead_tokens_vllm(env: Env, vllm: EngineKit) -> None:
         assert r.overlap(T) == NO_OVERLAP  # plain prompts do not match EAGLE-window blocks
 
 
-def test_storage_medium_is_disk_vllm(env: Env, vllm: EngineKit) -> None:
-    with Rig(env, vllm) as r:
-        r.publish(vllm.stored([1, 2], None, T[:32], medium="STORAGE"))
+def test_storage_medium_is_disk(env: Env, engine: EngineKit) -> None:
+    # vLLM's file / object offloading tiers; SGLang's L3.
+    disk = "STORAGE" if engine.name == "vllm" else engine.mod.StorageMedium.DISK.value
+    with Rig(env, engine) as r:
+        r.publish(engine.stored([1, 2], None, T[:32], medium=disk))
         r.sees(T, TierOverlap(disk=2))
         assert not r.problems()
 
@@ -248,11 +270,11 @@ def test_offload_placeholders_resolved_vllm(env: Env, vllm: EngineKit) -> None:
         assert r.node.bridge.issues[Issue.UNRESOLVED_PLACEHOLDER] == 1
 
 
-def test_reannouncements_counted_not_anomalies(env: Env, vllm: EngineKit) -> None:
-    # kv_cache_report_mode="full": cached prefixes are announced again on reuse.
-    with Rig(env, vllm) as r:
-        r.publish(vllm.stored([1, 2], None, T[:32]))
-        r.publish(vllm.stored([1, 2], None, T[:32]), vllm.stored([3], 2, T[32:48]))
+def test_reannouncements_counted_not_anomalies(env: Env, engine: EngineKit) -> None:
+    # vLLM's kv_cache_report_mode="full": cached prefixes are announced again on reuse.
+    with Rig(env, engine) as r:
+        r.publish(engine.stored([1, 2], None, T[:32]))
+        r.publish(engine.stored([1, 2], None, T[:32]), engine.stored([3], 2, T[32:48]))
         r.sees(T, TierOverlap(device=3))
         assert r.node.consolidator.reannounced == {Tier.DEVICE: 2}
         assert not r.node.consolidator.anomalies
