@@ -61,7 +61,7 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
     type=click.Path(file_okay=False, path_type=Path),
     help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks.",
 )
-@click.option("--checkpoint-s", default=5.0, show_default=True, type=click.FloatRange(0.1), help="With --state-dir: checkpoint period.")
+@click.option("--checkpoint-s", default=10.0, show_default=True, type=click.FloatRange(0.1), help="With --state-dir: checkpoint period.")
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")

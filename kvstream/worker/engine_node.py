@@ -45,8 +45,9 @@ class EngineNodeOptions:
     mode: Mode = Mode.DEDUP
     #: Where the bridge keeps its state across restarts; None: it starts empty each time.
     state_dir: Path | None = None
-    #: Checkpoint the state this often (s), after a flush that Kafka acknowledged.
-    checkpoint_s: float = 5.0
+    #: Checkpoint the state this often (s) when it changed, after a flush that Kafka
+    #: acknowledged. Each costs O(blocks held): measured 0.3 s per 100k blocks.
+    checkpoint_s: float = 10.0
 
 
 class EngineNode:
@@ -80,6 +81,7 @@ class EngineNode:
         if self._store:
             self._store.mark_unclean()
         self._next_checkpoint = time.monotonic() + options.checkpoint_s
+        self._saved: tuple[int, int, int] | None = None
 
     def start(self) -> None:
         """Connect to the engines (and replay what they published while we were away)."""
@@ -122,13 +124,16 @@ class EngineNode:
         self.publisher.poll(self.consolidator)
         if self._store is not None and time.monotonic() >= self._next_checkpoint:
             self._next_checkpoint = time.monotonic() + self.options.checkpoint_s
-            self.checkpoint(clean=False)
+            # Writing the whole state costs O(blocks): only when something changed.
+            if self._saved != self._progress():
+                self.checkpoint(clean=False)
 
     def checkpoint(self, clean: bool) -> bool:
         """Flush, and once Kafka acknowledged everything, save the state; False when
         something stayed unacknowledged (no checkpoint then)."""
         if self._store is None:
             return False
+        progress = self._progress()
         if self.publisher.flush():
             log.warning("bridge_checkpoint_skipped", reason="unacknowledged batches")
             return False
@@ -143,7 +148,12 @@ class EngineNode:
                 converter=self.bridge.converter.dump(),
             )
         )
+        self._saved = progress
         return True
+
+    def _progress(self) -> tuple[int, int, int]:
+        """What a checkpoint depends on: engine messages taken, epochs started."""
+        return self.bridge.stats.messages, sum(self.bridge.issues.values()), self.publisher.stats.resyncs
 
     def close(self) -> int:
         """Stop listening, flush, save a clean checkpoint, release everything; returns

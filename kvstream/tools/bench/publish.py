@@ -33,15 +33,21 @@ def engine_frames(messages: int, blocks: int, block_size: int, capacity: int, se
     frames = []
     block_events = 0
     for seq in range(messages):
-        events: list[list[object]] = []
+        events: list[dict[str, object]] = []
         if (len(held) + 1) * blocks > capacity:
             evicted = held.pop(0)
-            events.append(["BlockRemoved", evicted[::-1], "GPU"])
+            events.append({"type": "BlockRemoved", "block_hashes": evicted[::-1], "medium": "GPU"})
             block_events += len(evicted)
         # Engine hashes are i64 on the wire, half of them negative.
         hashes = [rng.getrandbits(64) - (1 << 63) for _ in range(blocks)]
         tokens = [rng.randrange(152_064) for _ in range(blocks * block_size)]
-        events.append(["BlockStored", hashes, None, tokens, block_size, None, "GPU", None])
+        # As vLLM 0.33 encodes it (a msgspec tagged map; tests/engines checks the form).
+        events.append(
+            {
+                "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
+                "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None,
+            }
+        )
         block_events += blocks
         held.append(hashes)
         payload = msgpack.packb([time.time(), events, 0])
