@@ -69,6 +69,8 @@ class Issue(str, Enum):
     LORA_WITHOUT_NAME = "lora_without_name"  # lora_id but no lora_name: hashes unknowable
     #: Blocks of another size than the router's: their hashes would never match a prompt.
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    #: A partial last page (SGLang): only full blocks are ever matched (DESIGN §1).
+    PARTIAL_BLOCK = "partial_block"
     #: A vLLM offload event without tokens (its default) naming a block that the device
     #: source does not hold: its tokens, hence its position, are unknown.
     UNRESOLVED_PLACEHOLDER = "unresolved_placeholder"
@@ -332,6 +334,9 @@ class EventConverter:
         if block_size == 0 or not hashes or len(token_ids) != len(hashes) * block_size:
             raise ValueError(f"{len(hashes)} blocks of {block_size} tokens but {len(token_ids)} token ids")
         if self._block_size is not None and block_size != self._block_size:
+            if len(hashes) == 1 and block_size < self._block_size:
+                # SGLang publishes a node's last, partial page with its own size.
+                raise _Skip(Issue.PARTIAL_BLOCK, f"a partial block of {block_size} tokens")
             raise _Skip(
                 Issue.BLOCK_SIZE_MISMATCH,
                 f"engine blocks of {block_size} tokens, routers use {self._block_size} "

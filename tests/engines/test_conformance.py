@@ -195,6 +195,14 @@ def test_route_over_http_with_salt_and_multimodal(env: Env, sglang: EngineKit) -
         assert bad.status_code == 422
 
 
+def test_partial_tail_page_sglang(env: Env, sglang: EngineKit) -> None:
+    # SGLang publishes a node's last page even when it is partial, with its own size.
+    with Rig(env, sglang) as r:
+        r.publish(sglang.stored([1, 2], None, T[:32]), sglang.stored([3], 2, T[32:37], block_size=5))
+        r.sees(T, TierOverlap(device=2))
+        assert r.problems() == {Issue.PARTIAL_BLOCK: 1}
+
+
 def test_cache_salt_sglang(env: Env, sglang: EngineKit) -> None:
     with Rig(env, sglang) as r:
         r.publish(sglang.stored([1, 2], None, T[:32], cache_salt="tenant-a"))
