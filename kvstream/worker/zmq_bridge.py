@@ -656,7 +656,7 @@ class ZmqEngineBridge:
         self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {expected}..{seq - 1} missed", missing)
         got = 0
         if s.ep.replay_endpoint:
-            for rseq, payload in self._fetch(s, expected):
+            for rseq, payload in self._fetch(s, expected) or ():
                 if rseq >= seq:
                     break
                 # Only the missing range, in order: a hole in the buffer stays a hole.
@@ -694,7 +694,8 @@ class ZmqEngineBridge:
             # Our last message fell out of the buffer: what came between is lost (or
             # this is a new engine that published more than we had seen: the numbers
             # cannot tell, and the state is kept).
-            self._lost(s, msgs[0][0] - last)
+            if msgs[0][0] > s.expected:
+                self._lost(s, msgs[0][0] - s.expected)
             for rseq, payload in msgs:
                 self._apply(s, rseq, payload)
             self.stats.replayed += len(msgs)

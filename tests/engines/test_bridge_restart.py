@@ -13,6 +13,8 @@ from pathlib import Path
 
 from kvstream.router.index import NO_OVERLAP, TierOverlap
 
+from kvstream.worker.zmq_bridge import Issue
+
 from .conftest import Env, Rig, eventually, tokens
 from .engines import EngineKit
 
@@ -100,3 +102,24 @@ def test_killed_bridge_loses_nothing_the_engine_still_holds(env: Env, engine: En
                 p.kill()
                 p.wait()
         r.stop_engine()
+
+
+def test_history_older_than_the_buffer_is_counted_and_resynced(env: Env, engine: EngineKit, tmp_path: Path) -> None:
+    r = Rig(env, engine, state_dir=tmp_path / "state", publisher_kw={"buffer_steps": 3})
+    try:
+        r.start_worker()
+        r.publish(engine.stored([1], None, T[:16]))
+        r.sees(T, TierOverlap(device=1))
+        r.stop_worker()
+        roots = [tokens(1, 10_000 * (i + 1)) for i in range(8)]
+        for i, toks in enumerate(roots):  # the buffer keeps the last 3 only
+            r.publish(engine.stored([100 + i], None, toks))
+        node = r.start_worker()
+        r.sees(roots[-1], TierOverlap(device=1))
+        assert [r.overlap(t) for t in roots[-3:]] == [TierOverlap(device=1)] * 3
+        assert [r.overlap(t) for t in roots[:5]] == [NO_OVERLAP] * 5
+        assert r.overlap(T) == TierOverlap(device=1)  # what the bridge had is kept
+        assert node.bridge.issues[Issue.UNRECOVERED] == 5
+        eventually(lambda: node.publisher.stats.resyncs, 1)  # a new epoch with the state
+    finally:
+        r.__exit__()
