@@ -34,6 +34,7 @@ from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, Flavour, Issue
 from .engines import EngineKit, kit
 
 WAIT_S = 30.0
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _ids = itertools.count(1_000 + random.randrange(1 << 20) * 1_000)
 
 
@@ -188,15 +189,51 @@ class Rig:
         self.pubs[rank].publish(self.engine.batch(list(events)))
         self.sent[rank] += 1
 
+    def wait_sent(self, rank: int = 0, timeout: float = WAIT_S) -> None:
+        """Wait until the engine's publisher thread has sent (and buffered) everything
+        published on ``rank``: its replay socket then has the last message."""
+        assert self.replay_base is not None
+        want = self.sent[rank] - 1
+        ctx = zmq.Context.instance()
+        deadline = time.monotonic() + timeout
+        while True:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            try:
+                dealer.connect(f"tcp://127.0.0.1:{self.replay_base + rank}")
+                dealer.send_multipart([b"", want.to_bytes(8, "big")])
+                seqs = []
+                while dealer.poll(5000):
+                    frames = dealer.recv_multipart()
+                    if frames[2] == END_SEQ:  # the end marker [b"", b"", -1, b""]
+                        break
+                    seqs.append(int.from_bytes(frames[2], "big"))
+            finally:
+                dealer.close(linger=0)
+            if want in seqs:
+                return
+            assert time.monotonic() < deadline, f"engine rank {rank} never sent message {want}"
+            time.sleep(0.05)
+
     # -- the worker ---------------------------------------------------------------------
 
     def start_worker(self) -> EngineNode:
         self.node = EngineNode(self.env.settings, self.options)
         self.node.start()
+        self.resume_worker()
+        return self.node
+
+    def pause_worker(self) -> None:
+        """The worker stops reading (its sockets stay connected and fill up)."""
+        assert self._thread is not None
+        self._stop.set()
+        self._thread.join(30)
+
+    def resume_worker(self) -> None:
+        assert self.node is not None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.node.run, args=(self._stop,), daemon=True)
         self._thread.start()
-        return self.node
 
     def stop_worker(self) -> None:
         assert self.node is not None and self._thread is not None

@@ -114,6 +114,7 @@ def test_history_older_than_the_buffer_is_counted_and_resynced(env: Env, engine:
         roots = [tokens(1, 10_000 * (i + 1)) for i in range(8)]
         for i, toks in enumerate(roots):  # the buffer keeps the last 3 only
             r.publish(engine.stored([100 + i], None, toks))
+        r.wait_sent()
         node = r.start_worker()
         r.sees(roots[-1], TierOverlap(device=1))
         assert [r.overlap(t) for t in roots[-3:]] == [TierOverlap(device=1)] * 3

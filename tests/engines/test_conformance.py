@@ -8,7 +8,6 @@ one engine's own (vLLM offload placeholders, extra_keys...) name it.
 from __future__ import annotations
 
 import hashlib
-import threading
 from dataclasses import replace
 
 from kvstream.events.model import Tier
@@ -99,16 +98,13 @@ def test_gap_repaired_from_the_replay_buffer(env: Env, engine: EngineKit) -> Non
     with r:
         r.publish(engine.stored([1], None, T[:16]))
         r.synced()
-        r._stop.set()  # the worker stops reading
-        r._thread.join(10)
+        r.pause_worker()
         parent = 1
         for i in range(1, 300):
             h = 1 + i
             r.publish(engine.stored([h], parent, tokens(1, 16 * (i % 5 + 1) * 1000)), engine.removed([h]))
         r.publish(engine.stored([1000], 1, T[16:32]))
-        r._stop.clear()
-        r._thread = threading.Thread(target=r.node.run, args=(r._stop,), daemon=True)
-        r._thread.start()
+        r.resume_worker()
         r.sees(T, TierOverlap(device=2))
         issues = r.node.bridge.issues
         assert issues[Issue.GAP] == r.node.bridge.stats.replayed  # every miss recovered
