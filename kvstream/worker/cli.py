@@ -59,9 +59,9 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks.",
+    help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks. [settings: worker.state_dir]",
 )
-@click.option("--checkpoint-s", default=10.0, show_default=True, type=click.FloatRange(0.1), help="With --state-dir: checkpoint period.")
+@click.option("--checkpoint-s", type=click.FloatRange(0.1), help="With --state-dir: checkpoint period. [settings: worker.checkpoint_s, default 10]")
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
@@ -87,7 +87,7 @@ def worker(
     dp_rank: int,
     block_size: int | None,
     state_dir: Path | None,
-    checkpoint_s: float,
+    checkpoint_s: float | None,
     worker_id: int,
     bootstrap: str | None,
     config: str | None,
@@ -126,6 +126,8 @@ def worker(
         "linger_ms": linger_ms,
         "queue_full": queue_full,
         "metrics_port": metrics_port,
+        "state_dir": str(state_dir) if state_dir is not None else None,
+        "checkpoint_s": checkpoint_s,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
@@ -164,7 +166,9 @@ def worker(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    node_options = EngineNodeOptions(options, bridge_options, Mode(ws.mode), state_dir, checkpoint_s)
+    node_options = EngineNodeOptions(
+        options, bridge_options, Mode(ws.mode), Path(ws.state_dir) if ws.state_dir else None, ws.checkpoint_s
+    )
     try:
         node = EngineNode(settings, node_options)
     except (PublisherError, KafkaConfigError, BridgeStateError) as exc:
