@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import types
 import zipfile
 from dataclasses import dataclass
@@ -168,13 +169,10 @@ class EngineKit:
         at ``port`` (+ rank, the engine's own offset) like a real deployment."""
         endpoint = f"tcp://*:{port}"
         replay = f"tcp://*:{replay_port}" if replay_port is not None else None
-        if self.name == "vllm":
-            return self.mod.ZmqEventPublisher(rank, endpoint=endpoint, replay_endpoint=replay, **kw)
+        # The rank is vLLM's data_parallel_rank, SGLang's attn_dp_rank: both positional.
         return self.mod.ZmqEventPublisher(rank, endpoint=endpoint, replay_endpoint=replay, **kw)
 
     def batch(self, events: list[Any]) -> Any:
-        import time
-
         return self.mod.KVEventBatch(ts=time.time(), events=events)
 
     def stored(
