@@ -166,14 +166,16 @@ def _u64_list(hashes: Any) -> tuple[int, ...]:
         return tuple(_u64(h) for h in hashes)
 
 
-def mm_hash_of(identifier: Any) -> int:
-    """A vLLM multimodal identifier as the u64 that Dynamo's block_mm_infos carry: an
-    int as is, a string (vLLM's usual hex digest or uuid) by XXH3-64 of its UTF-8."""
-    if isinstance(identifier, int) and not isinstance(identifier, bool):
-        return identifier & _U64
-    if isinstance(identifier, str):
-        return xxhash.xxh3_64_intdigest(identifier.encode("utf-8"))
-    raise TypeError(f"multimodal identifier of type {type(identifier).__name__}")
+def mm_hash_of(identifier: str) -> int | None:
+    """A vLLM multimodal identifier as the u64 of Dynamo's block_mm_infos: Dynamo takes
+    the canonical identifier (a 64-hex-digit digest) and reads its first 16 digits;
+    anything else (a user-given uuid) it cannot express (None)."""
+    if len(identifier) == 64 and all(c in _HEX for c in identifier):
+        return int(identifier[:16], 16)
+    return None
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
 
 
 class _Skip(Exception):
@@ -331,6 +333,15 @@ class EventConverter:
             raise ValueError(f"block_size {block_size!r}")
         if hashes and (block_size == 0 or not token_ids) and tier is not Tier.DEVICE:
             return self._placeholder(tier, dp_rank, hashes)
+        window: list[int] | None = None
+        if token_ids and isinstance(token_ids[0], list | tuple):
+            # SGLang's EAGLE pages: (token, next token) pairs. As Dynamo reads them: the
+            # first of each pair, plus the last pair's second; a block's identity is its
+            # tokens and the token after it (Dynamo's EAGLE window).
+            if not all(isinstance(p, list | tuple) and len(p) == 2 for p in token_ids):
+                raise ValueError("token_ids mixes pairs and tokens")
+            window = [p[0] for p in token_ids] + [token_ids[-1][1]]
+            token_ids = window[:-1]
         if block_size == 0 or not hashes or len(token_ids) != len(hashes) * block_size:
             raise ValueError(f"{len(hashes)} blocks of {block_size} tokens but {len(token_ids)} token ids")
         if self._block_size is not None and block_size != self._block_size:
@@ -351,6 +362,8 @@ class EventConverter:
             # without it they would pose as base-model blocks and mislead routing.
             raise _Skip(Issue.LORA_WITHOUT_NAME, f"lora_id {ev.get('lora_id')} without lora_name")
         ident = self._identity(ev, dp_rank, parent, len(hashes), lora_name)
+        if window is not None:
+            ident.extra_tokens = [[window[(i + 1) * block_size]] for i in range(len(hashes))]
         tokens_hashes = local_hashes(
             token_ids, block_size, lora_name, cache_salt=ident.salt, mm=ident.mm, extra_tokens=ident.extra_tokens
         )
@@ -370,13 +383,22 @@ class EventConverter:
             if len(extra) != n:
                 raise ValueError(f"{len(extra)} extra_keys entries for {n} blocks")
             for i, keys in enumerate(extra):
-                for j, key in enumerate(keys or ()):
-                    if isinstance(key, list | tuple) and len(key) == 2:
-                        ident.mm.setdefault(i, []).append(mm_hash_of(key[0]))
+                for key in keys or ():
+                    if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str):
+                        # (identifier, offset): the identity is the object, wherever it starts.
+                        mm = mm_hash_of(key[0])
+                        if mm is None:
+                            raise _Skip(Issue.UNSUPPORTED_IDENTITY, f"multimodal identifier {key[0]!r} is not a digest")
+                        ident.mm.setdefault(i, []).append(mm)
                     elif isinstance(key, str):
-                        if not (j == 0 and lora_name and key == lora_name):
+                        mm = mm_hash_of(key)  # older releases: a bare identifier
+                        if mm is not None:
+                            ident.mm.setdefault(i, []).append(mm)
+                        elif i == 0 and key != lora_name and ident.salt is None:
+                            # As Dynamo: the salt is the first block's plain string that
+                            # is neither a multimodal digest nor the adapter's name.
                             ident.salt = key
-                    else:
+                    else:  # prompt-embedding digests (bytes): no routing-side form
                         raise _Skip(Issue.UNSUPPORTED_IDENTITY, f"extra key of type {type(key).__name__} in block {i}")
         if ident.salt is None and parent is not None:
             ident.salt = self.salts.get(dp_rank, {}).get(parent)

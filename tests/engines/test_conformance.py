@@ -15,7 +15,7 @@ from kvstream.hashing import MmSpan, local_hashes, sequence_hashes
 from kvstream.router.index import NO_OVERLAP, TierOverlap, WorkerKey
 from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.worker.consolidator import Mode
-from kvstream.worker.zmq_bridge import Flavour, Issue, mm_hash_of
+from kvstream.worker.zmq_bridge import Flavour, Issue
 
 from .conftest import Env, Rig, eventually, tokens
 from .engines import EngineKit
@@ -210,16 +210,36 @@ def test_cache_salt_sglang(env: Env, sglang: EngineKit) -> None:
 
 def test_extra_keys_vllm(env: Env, vllm: EngineKit) -> None:
     """vLLM names the cache salt in the first block's extra keys (children inherit it)
-    and multimodal objects as (identifier, offset) in each block they touch."""
-    img = "a3f5c0ffee"
+    and multimodal objects as (identifier, offset) in each block they touch; as Dynamo,
+    a digest identifier's first 16 hex digits are the object's hash."""
+    img = hashlib.sha256(b"an image").hexdigest()
     with Rig(env, vllm) as r:
-        r.publish(vllm.stored([1, 2], None, T[:32], extra_keys=[("salt-1",), ((img, 0),)]))
+        r.publish(vllm.stored([1, 2], None, T[:32], extra_keys=[("salt-1",), ((img, 4),)]))
         r.publish(vllm.stored([3], 2, T[32:48], extra_keys=[((img, 0),)]))
         r.publish(vllm.stored([4], 3, T[48:64], extra_keys=[None]))
-        span = (MmSpan(mm_hash_of(img), 20, 28),)  # positions 20..47: blocks 1 and 2
+        span = (MmSpan(int(img[:16], 16), 20, 28),)  # positions 20..47: blocks 1 and 2
         r.sees(T, TierOverlap(device=4), cache_salt="salt-1", mm=span)
         assert r.overlap(T, cache_salt="salt-1") == TierOverlap(device=1)
         assert r.overlap(T) == NO_OVERLAP
+        # A user-given identifier (not a digest) has no form on the routing side.
+        r.publish(vllm.stored([9], None, T[16:32], extra_keys=[(("my-image-uuid", 0),)]))
+        r.synced()
+        assert r.node.bridge.issues[Issue.UNSUPPORTED_IDENTITY] == 1
+
+
+def test_eagle_pages_sglang(env: Env, sglang: EngineKit) -> None:
+    # SGLang's EAGLE (bigram) pages: (token, next token) pairs.
+    with Rig(env, sglang) as r:
+        pairs = [(T[i], T[i + 1]) for i in range(32)]
+        r.publish(sglang.stored([1, 2], None, pairs))
+        r.synced()
+        want = sorted(sequence_hashes(local_hashes(T[:32], 16, extra_tokens=[[T[16]], [T[32]]])))
+
+        def positions() -> list[int]:
+            with env.replica.lock:
+                return sorted(env.replica.router.index.blocks(WorkerKey(r.worker_id, 0), Tier.DEVICE).values())
+
+        eventually(positions, want)
 
 
 def test_extra_keys_with_lora_vllm(env: Env, vllm: EngineKit) -> None:

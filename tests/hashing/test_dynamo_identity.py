@@ -102,3 +102,34 @@ def test_hash_command_equals_dynamo(prompt, lora, salt) -> None:  # type: ignore
 def test_bad_mm_span_is_a_clear_error() -> None:
     result = CliRunner().invoke(hash_cmd, ["--mm", "1:0:0", "1", "2"])
     assert result.exit_code != 0 and "length > 0" in result.output
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, (1 << 32) - 1), min_size=16, max_size=80),
+    st.none() | st.text(alphabet="abcxyz-", min_size=1, max_size=8),
+    st.lists(st.none() | st.binary(min_size=1, max_size=4), max_size=5),
+)
+def test_engine_identity_fields_fold_as_dynamo(tokens, salt, images) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's extra_keys (a salt in the first block, (digest, offset) pairs) and
+    SGLang's cache_salt give the local hashes Dynamo computes from the same facts."""
+    import hashlib
+
+    from kvstream.worker.zmq_bridge import EventConverter, Flavour
+
+    bs = 16
+    n = len(tokens) // bs
+    tokens = tokens[: n * bs]
+    digests = [None if i >= len(images) or images[i] is None else hashlib.sha256(images[i]).hexdigest() for i in range(n)]
+    extra = []
+    for i in range(n):
+        keys = ((salt,) if i == 0 and salt else ()) + (((digests[i], 3),) if digests[i] else ())
+        extra.append(keys or None)
+    base = {"type": "BlockStored", "block_hashes": list(range(1, n + 1)), "parent_block_hash": None,
+            "token_ids": tokens, "block_size": bs, "lora_id": None, "medium": "GPU", "lora_name": None}
+    infos = [{"mm_objects": [{"mm_hash": int(d[:16], 16), "offsets": []}]} if d else None for d in digests]
+    want = dynamo_hash(tokens, bs, infos, cache_namespace=salt)
+    vllm_ev = EventConverter(Flavour.VLLM, bs, None).convert({**base, "extra_keys": extra}, 0)
+    assert list(vllm_ev[0].tokens_hashes) == want
+    sglang_ev = EventConverter(Flavour.SGLANG, bs, None).convert({**base, "cache_salt": salt}, 0)
+    assert list(sglang_ev[0].tokens_hashes) == dynamo_hash(tokens, bs, None, cache_namespace=salt)
