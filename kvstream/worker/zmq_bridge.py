@@ -178,6 +178,19 @@ def mm_hash_of(identifier: str) -> int | None:
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
+def _release(refs: Counter[int], h: int) -> bool:
+    """Take one extra announcement of ``h`` back; False when none is left (then the
+    removal is the block's last)."""
+    n = refs.get(h, 0)
+    if n <= 0:
+        return False
+    if n == 1:
+        del refs[h]
+    else:
+        refs[h] = n - 1
+    return True
+
+
 class _Skip(Exception):
     """An engine event that is not applied; carries the reason."""
 
@@ -249,6 +262,11 @@ class EventConverter:
         self.salts: dict[int, dict[int, str]] = {}
         #: Blocks of the last converted event that could not be resolved.
         self.unresolved = 0
+        #: (rank, lower tier) → block hash → announcements beyond the first that are
+        #: still live. vLLM's self-describing offload events announce a block shared by
+        #: two chunks once per chunk, and its removal once per chunk evicted: the block
+        #: stays until the last. (Device re-announcements are not paired with removals.)
+        self.extra_refs: dict[tuple[int, Tier], Counter[int]] = {}
 
     # -- state (kept with the consolidator's by the bridge's state store) -------------
 
@@ -258,6 +276,7 @@ class EventConverter:
                 "flavour": self.flavour.value,
                 "tiers": {r: [t.value for t in ts] for r, ts in self.seen_tiers.items()},
                 "salts": self.salts,
+                "refs": [[r, t.value, dict(c)] for (r, t), c in self.extra_refs.items() if c],
             }
         )
 
@@ -267,6 +286,7 @@ class EventConverter:
             self.flavour = Flavour(d["flavour"])
         self.seen_tiers = {r: {Tier(t) for t in ts} for r, ts in d["tiers"].items()}
         self.salts = {r: dict(m) for r, m in d["salts"].items()}
+        self.extra_refs = {(r, Tier(t)): Counter(c) for r, t, c in d["refs"]}
 
     # -- conversion -------------------------------------------------------------------
 
@@ -288,6 +308,9 @@ class EventConverter:
                 if salts:
                     for h in hashes:
                         salts.pop(h, None)
+                refs = self.extra_refs.get((dp_rank, tier))
+                if refs:
+                    hashes = tuple(h for h in hashes if not _release(refs, h))
                 return [SourceRemoved(tier, dp_rank, hashes)] if hashes else []
             if tag == "AllBlocksCleared":
                 return self.cleared(dp_rank, CLEARED_BY[self.flavour])
@@ -300,6 +323,8 @@ class EventConverter:
         seen = self.seen_tiers.get(dp_rank, set())
         if Tier.DEVICE in tiers:
             self.salts.pop(dp_rank, None)
+        for t in tiers:
+            self.extra_refs.pop((dp_rank, t), None)
         return [SourceCleared(t, dp_rank) for t in sorted(seen & tiers, key=_TIER_ORDER.index)]
 
     def _detect(self, ev: Mapping[str, Any]) -> None:
@@ -370,7 +395,18 @@ class EventConverter:
         self.seen_tiers.setdefault(dp_rank, set()).add(tier)
         if ident.salt:
             self.salts.setdefault(dp_rank, {}).update(dict.fromkeys(hashes, ident.salt))
-        return [SourceStored(tier, dp_rank, parent, hashes, tuple(tokens_hashes))]
+        out = SourceStored(tier, dp_rank, parent, hashes, tuple(tokens_hashes))
+        self._count_repeats(out)
+        return [out]
+
+    def _count_repeats(self, ev: SourceStored) -> None:
+        """Note the lower-tier blocks that the source already holds (see extra_refs)."""
+        if ev.source is Tier.DEVICE or self._resolver is None:
+            return
+        lookup = self._resolver.lookup
+        for h in ev.block_hashes:
+            if lookup(ev.dp_rank, ev.source, h) is not None:
+                self.extra_refs.setdefault((ev.dp_rank, ev.source), Counter())[h] += 1
 
     def _identity(
         self, ev: Mapping[str, Any], dp_rank: int, parent: int | None, n: int, lora_name: str | None
@@ -437,6 +473,8 @@ class EventConverter:
             out.append(SourceStored(tier, dp_rank, run_parent, tuple(run), tuple(run_tokens)))
         if out:
             self.seen_tiers.setdefault(dp_rank, set()).add(tier)
+        for ev in out:
+            self._count_repeats(ev)
         if missing:
             # Reported after the resolved part is applied; the caller counts it.
             self.unresolved = missing

@@ -294,6 +294,20 @@ def test_offload_placeholders_resolved_vllm(env: Env, vllm: EngineKit) -> None:
         assert r.node.bridge.issues[Issue.UNRESOLVED_PLACEHOLDER] == 1
 
 
+def test_offload_chunks_sharing_a_block_vllm(env: Env, vllm: EngineKit) -> None:
+    """Self-describing offload events announce a block shared by two chunks once per
+    chunk, and its removal once per chunk evicted: it stays until the last."""
+    with Rig(env, vllm) as r:
+        r.publish(vllm.stored([1], None, T[:16]))
+        r.publish(vllm.stored([1, 2], None, T[:32], medium="CPU"))  # chunk A
+        r.publish(vllm.stored([2, 3], 1, T[16:48], medium="CPU"))  # chunk B repeats block 2
+        r.publish(vllm.removed([1, 2], medium="CPU"))  # chunk A evicted
+        r.sees(T, TierOverlap(device=1, host_pinned=2))
+        r.publish(vllm.removed([2, 3], medium="CPU"))  # chunk B evicted
+        r.sees(T, TierOverlap(device=1))
+        assert not r.node.consolidator.anomalies
+
+
 def test_reannouncements_counted_not_anomalies(env: Env, engine: EngineKit) -> None:
     # vLLM's kv_cache_report_mode="full": cached prefixes are announced again on reuse.
     with Rig(env, engine) as r:
