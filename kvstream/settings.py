@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,10 @@ class TopicSettings(BaseModel):
     control_retention_ms: int = Field(3600 * 1000, ge=60_000)
     dlq_partitions: int = Field(1, ge=1)
     dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    #: The broker refuses events stamped further than this ahead of its clock (ms; 0: no
+    #: bound): a record from the future would move its partition's log clock and expire
+    #: every worker there. Keep it below the workers' lease minus their heartbeat.
+    events_max_future_ms: int = Field(5000, ge=0)
     #: Replication factor; 0 means min(3, number of brokers).
     replication_factor: int = Field(0, ge=0)
 
@@ -73,9 +78,33 @@ class ReplicaSettings(BaseModel):
     snapshot_every_s: float = Field(60.0, ge=0)
     ready_max_lag: int = Field(1000, ge=0)
     tick_interval_s: float = Field(5.0, gt=0)
+    #: Names the replica in logs, ticks and its consumer group ``kvstream-<replica_id>``,
+    #: where it commits its read positions (for kafka-consumer-groups); keep it stable
+    #: across restarts (e.g. the host name). Default: random per start.
+    replica_id: str = Field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}", min_length=1)
+    #: Commit read positions this often (s); 0: never.
+    commit_interval_s: float = Field(1.0, ge=0)
     #: After a recovery that dropped workers, stay unready until they resync, at most this long.
     resync_wait_s: float = Field(10.0, ge=0)
     peer_url: str | None = None
+
+
+class FoldSettings(BaseModel):
+    """What a replica (and ``kvstream replay``) accepts from the events topic; every
+    replica of a deployment must use the same values, or they disagree
+    (kvstream.replica.authority; docs/RELIABILITY.md, "Threat model"). 0: no limit."""
+
+    #: A batch's record key must be its worker id (8 big-endian bytes, as published).
+    check_key: bool = True
+    #: A wall-clock epoch (ns) may be at most this far ahead of its record's time; -1: off.
+    max_epoch_ahead_ms: int = Field(300_000, ge=-1)
+    #: Longest lease a batch may ask for (a phantom's lease is how long it holds a slot).
+    max_lease_ms: int = Field(0, ge=0)
+    max_blocks_per_event: int = Field(65_536, ge=0)
+    max_blocks_per_worker: int = Field(4_194_304, ge=0)
+    max_workers_per_partition: int = Field(1024, ge=0)
+    #: Only these worker ids are accepted (unset: any).
+    allowed_workers: list[int] | None = None
 
 
 class WorkerSettings(BaseModel):
@@ -111,6 +140,7 @@ class Settings(BaseSettings):
     router: RouterSettings = Field(default_factory=RouterSettings)
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    fold: FoldSettings = Field(default_factory=FoldSettings)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"

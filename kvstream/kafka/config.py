@@ -32,9 +32,15 @@ OWNED_KEYS = frozenset(
 PRODUCER_DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
     "acks": "all",
-    "compression.type": "lz4",
-    # A few ms of batching: many small event batches share one request.
-    "linger.ms": 5,
+    # Chosen with `kvstream bench publish --rate ... --producer-set ...` (docs/BENCHMARKS.md):
+    # a steady worker sends a message every few ms, so at 5 ms each produce request
+    # carried ~1.2 records; 10 ms gathers ~3, and zstd then shrinks the batch (lz4 barely
+    # does: the hashes are random, only the framing compresses). Fewer bytes on the wire
+    # per block event (a fifth for one-block events) for a few ms more event latency;
+    # 20-50 ms saves a little more and costs as much more latency. The replicas' own
+    # producer keeps a short linger (kvstream.active).
+    "compression.type": "zstd",
+    "linger.ms": 10,
     "batch.size": 1024 * 1024,
     "batch.num.messages": 10_000,
     # Bound the client's buffer (librdkafka's default is 1 GB).
@@ -46,7 +52,9 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
 
 CONSUMER_DEFAULTS: dict[str, Any] = {
     # A replica assigns partitions itself and keeps offsets in its snapshot (DESIGN.md §7):
-    # nothing is ever committed, and a missing offset is an error, never a silent jump.
+    # nothing is committed automatically or read back (a replica commits its positions
+    # explicitly, for lag tooling only: kvstream.replica.positions), and a missing
+    # offset is an error, never a silent jump.
     "enable.auto.commit": False,
     "enable.auto.offset.store": False,
     "auto.offset.reset": "error",
@@ -78,7 +86,7 @@ def _base(settings: Settings, client_id: str) -> dict[str, Any]:
 
 
 def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
-    """Idempotent, acks=all, lz4 producer settings."""
+    """Idempotent, acks=all, zstd producer settings."""
     return {
         **_base(settings, "kvstream-producer"),
         **PRODUCER_DEFAULTS,
@@ -94,8 +102,8 @@ def new_replica_group_id() -> str:
 def consumer_config(
     settings: Settings, *, group_id: str | None = None, **overrides: Any
 ) -> dict[str, Any]:
-    """Settings for a replica's consumer: a unique group that never commits
-    (``group_id`` defaults to a fresh ``kvstream-replica-<uuid>``)."""
+    """Settings for a consumer that assigns its partitions itself: ``group_id`` defaults
+    to a fresh ``kvstream-replica-<uuid>`` that nothing commits to."""
     return {
         **_base(settings, "kvstream-replica"),
         "group.id": group_id or new_replica_group_id(),

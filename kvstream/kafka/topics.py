@@ -84,6 +84,9 @@ def topic_specs(settings: Settings, brokers: int) -> list[TopicSpec]:
             # With three replicas, an acknowledged write survives the loss of one broker.
             "min.insync.replicas": "2" if rf >= 3 else "1",
         }
+        if role == "events" and t.events_max_future_ms:
+            # The fold's clocks are record timestamps (docs/RELIABILITY.md, threat model).
+            config["message.timestamp.after.max.ms"] = str(t.events_max_future_ms)
         specs.append(TopicSpec(t.name(role), partitions, rf, config))
     return specs
 

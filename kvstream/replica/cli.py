@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from dataclasses import fields
 from pathlib import Path
 
@@ -63,7 +65,13 @@ def router(
     settings.replica = settings.replica.model_copy(update={k: v for k, v in flags.items() if v is not None})
     from kvstream.replica.service import create_app
 
-    replica = Replica(settings, replica_options(settings), router_config(settings))
+    gave_up = threading.Event()
+
+    def on_fatal(_reason: str) -> None:
+        gave_up.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # stop serving; the exit status says why
+
+    replica = Replica(settings, replica_options(settings), router_config(settings), on_fatal=on_fatal)
     try:
         replica.start()
     except Exception as exc:
@@ -78,3 +86,5 @@ def router(
         server.run()
     finally:
         replica.stop()
+    if gave_up.is_set():
+        raise click.ClickException(f"the replica gave up: {replica.fatal}")

@@ -11,7 +11,16 @@ clock, so that two replicas (or a replay) that read the same records agree exact
   read from it, and a worker silent on its partition for longer than its lease is
   removed. Workers and their records live on one partition (key = worker id), so all
   state is per partition, which is also what lets snapshots be taken a partition at a
-  time (kvstream.replica.snapshot).
+  time (kvstream.replica.snapshot);
+- the log's authority (kvstream.replica.authority): key, allow-list, plausible epochs
+  and leases, block limits per event and per worker, workers per partition;
+- a worker incarnation is bound to a partition. Incarnations are ordered by epoch, then
+  by partition, lower first: a batch of a greater incarnation replaces the worker's
+  state (wherever it is), a batch of a lesser one is rejected (``batch_stale_epoch``,
+  or ``batch_wrong_partition`` for the same epoch on a higher partition, which also asks
+  the worker to resync). The winner is the greatest incarnation whatever order the
+  partitions are read in, so live replicas, fresh ones and replay agree after
+  partitions are added (docs/RELIABILITY.md, "Topology changes").
 """
 
 from __future__ import annotations
@@ -22,8 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
+from kvstream.logs import get_logger
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
 from kvstream.router import Router
+
+_log = get_logger(__name__)
 
 #: Header that marks a log-clock tick: a record with no events that only advances its
 #: partition's log time (replicas publish them to idle partitions).
@@ -36,6 +49,13 @@ DUPLICATE = "event_duplicate"
 GAP = "event_id_gap"
 NO_CLEARED = "epoch_without_cleared"
 EXPIRED = "worker_expired"
+WRONG_PARTITION = "batch_wrong_partition"
+#: An event id that the worker already used, with other content: another producer took
+#: the id (or the worker restarted without a new epoch); the worker is asked to resync.
+ID_CONFLICT = "event_id_conflict"
+#: The fold itself failed on a record (a bug). Deterministic like the rest, so every
+#: replica fails the same way on it: the record is dead-lettered, ingest goes on.
+FOLD_ERROR = "record_fold_error"
 
 
 @dataclass(slots=True)
@@ -48,6 +68,14 @@ class WorkerLog:
     last_seen_ms: int
     #: dp_rank → last applied event id in this epoch.
     last_ids: dict[int, int] = field(default_factory=dict)
+    #: dp_rank → hash of the event applied last (in memory only: it tells a redelivered
+    #: event from a different one that reuses its id).
+    last_digest: dict[int, int] = field(default_factory=dict)
+
+    def outranks(self, epoch: int, partition: int) -> bool:
+        """Whether this incarnation is greater than (epoch, partition): a higher epoch,
+        or the same epoch on a lower partition."""
+        return (self.epoch, -self.partition) > (epoch, -partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +98,12 @@ class PartitionState:
 class LogFold:
     """Folds records of the events topic into ``router``. Single writer."""
 
-    def __init__(self, router: Router, decode: Callable[[bytes], EventBatch]) -> None:
+    def __init__(
+        self, router: Router, decode: Callable[[bytes], EventBatch], authority: LogAuthority = TRUSTING
+    ) -> None:
         self.router = router
         self._decode = decode
+        self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
         self.workers: dict[int, WorkerLog] = {}
         self.counters: Counter[str] = Counter()
@@ -80,6 +111,8 @@ class LogFold:
         self.dirty: set[int] = set()
         # (deadline ms, worker id) per partition; stale entries are skipped lazily.
         self._deadlines: dict[int, list[tuple[int, int]]] = {}
+        #: Workers bound to each partition (for the per-partition limit).
+        self._bound: Counter[int] = Counter()
 
     # -- records ---------------------------------------------------------------------
 
@@ -90,9 +123,10 @@ class LogFold:
         timestamp_ms: int,
         value: bytes | None,
         is_tick: bool = False,
+        key: bytes | None = None,
     ) -> Outcome:
         """Apply the record at ``offset`` of ``partition`` (records must come in offset
-        order per partition)."""
+        order per partition); ``key`` is the record's key."""
         part = self.partitions.get(partition)
         if part is None:
             part = self.partitions[partition] = PartitionState()
@@ -109,59 +143,109 @@ class LogFold:
         except DecodeError as exc:
             self.counters[DECODE_ERROR] += 1
             return Outcome(dlq_reason=f"{DECODE_ERROR}: {exc}")
-        outcome = self._apply_batch(partition, timestamp_ms, batch)
+        rejected = self.authority.check_batch(key, timestamp_ms, batch)
+        if rejected is not None:
+            self.counters[rejected.reason] += 1
+            outcome = Outcome(dlq_reason=str(rejected))
+        else:
+            try:
+                outcome = self._apply_batch(partition, timestamp_ms, batch)
+            except MemoryError:
+                raise  # not a property of the record: the replica cannot go on
+            except Exception as exc:
+                _log.exception("fold failed on a record", partition=partition, offset=offset)
+                self.counters[FOLD_ERROR] += 1
+                outcome = Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
         self._expire(partition, part.log_time_ms)
         return outcome
 
     def _apply_batch(self, partition: int, ts: int, batch: EventBatch) -> Outcome:
         wid = batch.worker_id
-        self.dirty.add(wid)
         log = self.workers.get(wid)
         resync: list[int] = []
-        if log is not None and batch.epoch < log.epoch:
-            self.counters[STALE_EPOCH] += 1
-            return Outcome(dlq_reason=f"{STALE_EPOCH}: epoch {batch.epoch} < {log.epoch}")
-        if log is None or batch.epoch > log.epoch:
+        if log is not None and log.outranks(batch.epoch, partition):
+            if batch.epoch < log.epoch:
+                self.counters[STALE_EPOCH] += 1
+                return Outcome(dlq_reason=f"{STALE_EPOCH}: epoch {batch.epoch} < {log.epoch}")
+            self.counters[WRONG_PARTITION] += 1
+            return Outcome(
+                dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {batch.epoch} is bound to partition "
+                f"{log.partition}, not {partition} (a worker starts a new epoch after partitions are added)",
+                resync=(wid,),
+            )
+        if log is None or log.epoch != batch.epoch or log.partition != partition:
+            if log is None or log.partition != partition:
+                full = self.authority.partition_full(self._bound[partition])
+                if full is not None:
+                    self.counters[full.reason] += 1
+                    return Outcome(dlq_reason=str(full))
+                heapq.heappush(self._deadlines.setdefault(partition, []), (ts + batch.lease_ms, wid))
+                self._bound[partition] += 1
             if log is not None:
                 # A new incarnation replaces the old one even if its `cleared` was lost;
-                # the old lease entry stays in the heap and serves the new incarnation.
+                # on the same partition the old lease entry serves the new incarnation.
                 self.router.index.clear_worker(wid)
-            else:
-                heapq.heappush(self._deadlines.setdefault(partition, []), (ts + batch.lease_ms, wid))
+                self._bound[log.partition] -= 1
             log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
             if batch.events and type(batch.events[0]) is not Cleared:
                 self.counters[NO_CLEARED] += 1
                 resync.append(wid)
+        self.dirty.add(wid)
         log.lease_ms = batch.lease_ms
         log.last_seen_ms = max(log.last_seen_ms, ts)
         rejected: list[str] = []
         applied = 0
-        known = self.router.index.knows(wid)
+        index = self.router.index
+        known = index.knows(wid)
         announced = False
         apply_event = self.router.apply_event
+        check_event = self.authority.check_event
         last_ids = log.last_ids
+        last_event: dict[int, RouterEvent] = {}
+        # Blocks the worker holds, an upper bound (stores added, removes not taken off):
+        # counted exactly only when the bound would reject a store.
+        held = index.worker_blocks(wid)
         for i, ev in enumerate(batch.events):
             last = last_ids.get(ev.dp_rank)
             if last is not None:
                 if ev.event_id <= last:
-                    self.counters[DUPLICATE] += 1
+                    if ev.event_id == last and log.last_digest.get(ev.dp_rank, hash(ev)) != hash(ev):
+                        self.counters[ID_CONFLICT] += 1
+                        rejected.append(f"event {i} (id {ev.event_id}): {ID_CONFLICT}")
+                        if wid not in resync:
+                            resync.append(wid)
+                    else:
+                        self.counters[DUPLICATE] += 1
                     continue
                 if ev.event_id != last + 1:
                     self.counters[GAP] += 1
                     if wid not in resync:
                         resync.append(wid)
             last_ids[ev.dp_rank] = ev.event_id
+            last_event[ev.dp_rank] = ev
+            too_big = check_event(ev, held)
+            if too_big is not None and too_big.reason == WORKER_FULL:
+                held = index.worker_blocks(wid)
+                too_big = check_event(ev, held)
+            if too_big is not None:
+                self.counters[too_big.reason] += 1
+                rejected.append(f"event {i} (id {ev.event_id}): {too_big}")
+                continue
             reason = apply_event(ev)
             if reason is None:
                 applied += 1
+                if type(ev) is Stored:
+                    held += len(ev.block_hashes)
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        if not known and not announced and self.router.index.knows(wid):
+        for rank, ev in last_event.items():
+            log.last_digest[rank] = hash(ev)
+        if not known and not announced and index.knows(wid):
             # A worker becomes a candidate by an accepted store or its `cleared` (an
             # empty cache is a real worker); rejected stores and removes of blocks it
             # never had must not make it one.
-            self.router.index.remove_worker(wid)
+            index.remove_worker(wid)
         return Outcome(
             dlq_reason="; ".join(rejected) if rejected else None,
             resync=tuple(resync),
@@ -175,13 +259,14 @@ class LogFold:
         while heap and heap[0][0] < now_ms:
             _, wid = heapq.heappop(heap)
             log = self.workers.get(wid)
-            if log is None:
-                continue
+            if log is None or log.partition != partition:
+                continue  # gone, or moved to another partition (its lease is there)
             deadline = log.last_seen_ms + log.lease_ms
             if deadline >= now_ms:
                 heapq.heappush(heap, (deadline, wid))  # renewed since it was pushed
                 continue
             del self.workers[wid]
+            self._bound[partition] -= 1
             self.dirty.add(wid)
             if self.router.index.knows(wid):
                 self.router.remove_worker(wid)
@@ -192,11 +277,23 @@ class LogFold:
     def restore_partition(self, partition: int, next_offset: int, log_time_ms: int) -> None:
         self.partitions[partition] = PartitionState(next_offset, log_time_ms)
 
-    def restore_worker(self, worker_id: int, log: WorkerLog) -> None:
+    def restore_worker(self, worker_id: int, log: WorkerLog) -> bool:
+        """Install a worker of a snapshot; returns whether to import its blocks. A
+        worker listed on two partitions (it moved while the snapshot was taken) keeps
+        its greater incarnation, as the fold would."""
+        old = self.workers.get(worker_id)
+        if old is not None:
+            if old.outranks(log.epoch, log.partition):
+                return False
+            self._bound[old.partition] -= 1
+            if self.router.index.knows(worker_id):
+                self.router.index.remove_worker(worker_id)
         self.workers[worker_id] = log
+        self._bound[log.partition] += 1
         heapq.heappush(
             self._deadlines.setdefault(log.partition, []), (log.last_seen_ms + log.lease_ms, worker_id)
         )
+        return True
 
     # -- views -----------------------------------------------------------------------
 

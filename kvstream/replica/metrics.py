@@ -21,6 +21,10 @@ class ReplicaMetrics:
         self.consume_errors = Counter("kvstream_consume_errors", "Consumer errors", registry=r)
         self.produce_failures = Counter("kvstream_produce_failures", "Failed deliveries (DLQ, control, active)", registry=r)
         self.resync_requests = Counter("kvstream_resync_requests", "Resync requests published", registry=r)
+        self.commit_failures = Counter(
+            "kvstream_position_commit_failures", "Failed commits of read positions to the replica's group", registry=r
+        )
+        self.ticks = Counter("kvstream_ticks", "Log-clock ticks written to idle partitions past a lease", registry=r)
         self.lag = Gauge("kvstream_partition_lag", "Records behind the partition's end", ["partition"], registry=r)
         self.snapshot_age = Gauge(
             "kvstream_snapshot_age_seconds", "Seconds since the last committed snapshot", registry=r
@@ -46,6 +50,20 @@ class ReplicaMetrics:
             "kvstream_active_op_errors", "Active-sequence ops that could not be applied", ["reason"], registry=r
         )
         self.http_errors = Counter("kvstream_http_errors", "HTTP requests answered with 4xx/5xx", ["status"], registry=r)
+        self.thread_failures = Counter(
+            "kvstream_thread_failures", "Failures of a replica thread (each restarted with backoff)", ["thread"], registry=r
+        )
+        self.thread_up = Gauge("kvstream_thread_up", "1 while a replica thread runs, 0 while it waits to restart", ["thread"], registry=r)
+        self.fatal = Gauge("kvstream_fatal", "1 once the replica gave up (it exits non-zero)", registry=r)
+        self.produce_refused = Counter(
+            "kvstream_produce_refused", "Records the producer refused at once (too large, queue full), by purpose",
+            ["what", "error"], registry=r,
+        )
+        self.dlq_referenced = Counter(
+            "kvstream_dlq_referenced", "Records over the DLQ size bound, referenced (offset, size, digest) instead of copied",
+            registry=r,
+        )
+        self.partitions = Gauge("kvstream_events_partitions", "Partitions of the events topic being read", registry=r)
         self._last_commit: float | None = None
         self.snapshot_age.set_function(
             lambda: 0.0 if self._last_commit is None else time.time() - self._last_commit

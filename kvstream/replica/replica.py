@@ -6,10 +6,20 @@ router lock, copies what cannot be applied to ``kvstream.dlq``, asks workers to 
 on ``kvstream.control``, publishes log-clock ticks, and advances snapshots a partition
 at a time. A second thread shares load through ``kvstream.active``. The HTTP service
 (kvstream.replica.service) calls ``route`` / ``prefill_done`` / ``free``.
+
+Every thread runs under a :class:`~kvstream.replica.supervisor.Supervisor`: a failure is
+logged, counted, shown on ``/readyz`` and retried with backoff; one that keeps failing
+makes the replica give up (``kvstream router`` exits non-zero). No record can stop
+ingest: the fold dead-letters what it cannot apply, a DLQ copy is bounded (a large
+record is referenced by topic/partition/offset, size and digest), and a refused
+produce is counted and logged, never raised. Partitions added to the events topic
+while the replica runs are found by a periodic metadata check and read from their
+start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -19,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from confluent_kafka import (
+    OFFSET_BEGINNING,
     OFFSET_END,
     Consumer,
     KafkaError,
@@ -35,11 +46,15 @@ from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import RecoveryError
-from kvstream.replica.fold import TICK_HEADER, LogFold
+from kvstream.replica.fold import LogFold
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
+from kvstream.replica.supervisor import RestartPolicy, Supervisor
+from kvstream.replica.ticks import TickCodec, Ticker, is_tick
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
 from kvstream.router.errors import RouterError
@@ -52,6 +67,8 @@ log = get_logger(__name__)
 RESYNC_REQUEST = "kvstream.control.ResyncRequest"
 _ERROR_HEADER = "kvstream-error"
 _SOURCE_HEADER = "kvstream-source"
+#: On a DLQ record that references a too-large original instead of copying it.
+_REF_HEADER = "kvstream-dlq-reference"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +83,7 @@ class ReplicaOptions:
     ready_max_lag: int = 1000
     #: Records per consume() call.
     consume_batch: int = 2000
-    #: Log-clock ticks to every events partition, this often (s).
+    #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
     tick_interval_s: float = 5.0
     #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
     active_window_s: float = 300.0
@@ -75,10 +92,23 @@ class ReplicaOptions:
     #: After a recovery that dropped workers (retention, recreated topic), stay unready
     #: until each has resynced (a newer epoch on the log), or at most this long (s).
     resync_wait_s: float = 10.0
+    #: Commit read positions to this replica's own consumer group this often (s), for
+    #: Kafka's lag tooling (kvstream.replica.positions); 0: never.
+    commit_interval_s: float = 1.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
     #: Bearer token of the peer's HTTP API.
     peer_token: str | None = None
+    #: A record (value, key and headers) larger than this is referenced in the DLQ, not
+    #: copied: far below the producer's message.max.bytes (1 MB by default).
+    dlq_max_bytes: int = 256 * 1024
+    #: How often the events topic's partition count is checked (s).
+    metadata_interval_s: float = 10.0
+    #: A thread restarts after this (s), doubling up to ``thread_max_backoff_s``; a
+    #: critical one that fails ``thread_max_failures`` times without progress is fatal.
+    thread_backoff_s: float = 0.5
+    thread_max_backoff_s: float = 30.0
+    thread_max_failures: int = 5
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}")
 
 
@@ -92,13 +122,16 @@ class Replica:
         router_config: RouterConfig | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_fatal(reason)`` is called (from a replica thread) when the replica gives
+        up: ``kvstream router`` stops its server and exits non-zero."""
         self.settings = settings
         self.options = options or ReplicaOptions()
         self.replica_id = self.options.replica_id
         self.router = Router(router_config, clock=clock)
         self.codec = AvroCodec()
-        self.fold = LogFold(self.router, EventCodec(self.codec).decode)
+        self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
         self.active_codec = ActiveOpCodec(self.codec)
         self.metrics = ReplicaMetrics()
         self.lock = threading.RLock()
@@ -106,8 +139,16 @@ class Replica:
         self.store = SnapshotStore(self.options.snapshot_dir) if self.options.snapshot_dir else None
         self.snapshotter: Snapshotter | None = None
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id}))
+        o = self.options
+        self.supervisor = Supervisor(
+            self.replica_id, self._stop, self.metrics,
+            RestartPolicy(o.thread_backoff_s, o.thread_max_backoff_s, o.thread_max_failures), on_fatal,
+        )
+        #: Partitions found by the metadata check, for the ingest thread to assign.
+        self._new_partitions: list[int] = []
+        self._last_metadata = time.monotonic()
+        # Load ops must reach the peers at once; a replica's few records need no batching.
+        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
         self._lag: dict[int, int] = {}
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
         self._worker_status: dict[int, dict] = {}
@@ -115,7 +156,7 @@ class Replica:
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
-        self._last_tick = float("-inf")
+        self._ticker = Ticker(self.replica_id, self.options.tick_interval_s, self._produce_tick, TickCodec(self.codec))
         self.topic_id: str | None = None
         self.partition_count = 0
         self.started_at = time.monotonic()
@@ -132,29 +173,23 @@ class Replica:
         """Recover (snapshot, offset checks, resync) and start the threads."""
         offsets = self._recover()
         self._start_offsets = offsets
-        self._consumer = Consumer(consumer_config(self.settings))
-        self._consumer.assign(
-            [TopicPartition(self.events_topic, p, o) for p, o in sorted(offsets.items())]
-        )
+        self.metrics.partitions.set(self.partition_count)
         if self.store is not None:
             self.snapshotter = Snapshotter(
                 self.store, self.fold, self.events_topic, self.topic_id, self.partition_count,
                 self.options.snapshot_every_records, self.options.snapshot_every_s, self.metrics,
                 base=self._restored,
             )
-        self._spawn(self._ingest_loop, "ingest")
-        self._spawn(self._lag_loop, "lag")
-        self._spawn(self._active_loop, "active")
-
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
-        t = threading.Thread(target=target, name=f"{self.replica_id}-{name}", daemon=True)
-        t.start()
-        self._threads.append(t)
+        # Ingest and the lag/metadata check decide readiness: critical. Load sharing
+        # degrades routing, not the index: retried for ever.
+        self.supervisor.spawn("ingest", self._ingest_loop, critical=True)
+        self.supervisor.spawn("lag", self._lag_loop, critical=True)
+        self.supervisor.spawn("active", self._active_loop, critical=False)
 
     def stop(self) -> None:
         """Stop the threads, finish the snapshot in progress, flush producers."""
         self._stop.set()
-        for t in self._threads:
+        for t in self.supervisor.threads:
             t.join(timeout=30)
         if self.snapshotter is not None:
             self.snapshotter.close(final=True)
@@ -168,10 +203,34 @@ class Replica:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        return self._ready.is_set() and not self.supervisor.problems()
 
     def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while self._ready.wait(max(0.0, deadline - time.monotonic())):
+            if self.ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return False
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the replica gave up (None while it runs)."""
+        return self.supervisor.fatal
+
+    def not_ready_reasons(self) -> list[str]:
+        """Why ``/readyz`` says 503 (empty when ready)."""
+        reasons = self.supervisor.problems()
+        lagging = {p: n for p, n in self._lag.items() if n > self.options.ready_max_lag}
+        if lagging:
+            reasons.append(f"catching up: lag {lagging} > {self.options.ready_max_lag} records")
+        if self._awaiting_resync:
+            reasons.append(f"waiting for workers dropped at recovery to resync: {sorted(self._awaiting_resync)}")
+        if not reasons and not self._ready.is_set():
+            reasons.append("starting")
+        return reasons
 
     # -- recovery --------------------------------------------------------------------
 
@@ -287,9 +346,25 @@ class Replica:
     # -- ingest ----------------------------------------------------------------------
 
     def _ingest_loop(self) -> None:
-        consumer = self._consumer
+        """One run of ingest (the supervisor runs it again after a failure): a fresh
+        consumer assigned where the fold stands, so nothing is read twice or skipped."""
+        consumer = Consumer(
+            consumer_config(self.settings, group_id=replica_group_id(self.replica_id),
+                            on_commit=commit_callback(self._commit_failed))
+        )
+        self._positions = PositionCommitter(
+            consumer, self.events_topic, self.options.commit_interval_s, self._commit_failed
+        )
         try:
+            with self.lock:
+                at = self.positions()
+                self._new_partitions.clear()  # assigned below with the others
+            consumer.assign([
+                TopicPartition(self.events_topic, p, at.get(p, OFFSET_BEGINNING)) for p in range(self.partition_count)
+            ])
             while not self._stop.is_set():
+                if self._new_partitions:
+                    self._assign_new(consumer)
                 # Wait for one record, then take what is already there: low lag when
                 # quiet, large batches under load.
                 msgs = consumer.consume(1, 0.05)
@@ -301,12 +376,27 @@ class Replica:
                     with self.lock:
                         self.snapshotter.step()
                 self._housekeeping()
-        except Exception:  # never die silently: a dead ingest thread must be visible
-            log.exception("ingest loop failed", replica=self.replica_id)
-            self._ready.clear()
-            raise
+                self.supervisor.progress("ingest")
         finally:
+            self._positions.final(self.positions())
             consumer.close()
+
+    def _assign_new(self, consumer: Consumer) -> None:
+        with self.lock:
+            new, self._new_partitions = self._new_partitions, []
+        # From their start: a new partition holds only records written since it was added.
+        consumer.incremental_assign([TopicPartition(self.events_topic, p, OFFSET_BEGINNING) for p in new])
+        log.info("partitions added", replica=self.replica_id, partitions=new)
+
+    def positions(self) -> dict[int, int]:
+        """Next offset to read per partition: where the fold is, else where reading
+        started (a partition with nothing new since the snapshot)."""
+        with self.lock:
+            return {**self._start_offsets, **self.fold.next_offsets()}
+
+    def _commit_failed(self, error: str) -> None:
+        self.metrics.commit_failures.inc()
+        log.warning("position commit failed", replica=self.replica_id, error=error)
 
     def _apply_messages(self, msgs: list) -> None:
         fold = self.fold
@@ -321,10 +411,11 @@ class Replica:
                 continue
             records += 1
             headers = m.headers()
-            is_tick = bool(headers) and any(k == TICK_HEADER for k, _ in headers)
             if headers:
                 self._note_worker_status(m.key(), headers)
-            out = fold.apply_record(m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick)
+            out = fold.apply_record(
+                m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(headers), m.key()
+            )
             m_applied += out.applied_events
             if out.dlq_reason is not None:
                 self._to_dlq(m, out.dlq_reason)
@@ -336,16 +427,35 @@ class Replica:
             self.snapshotter.records_applied(records)
 
     def _to_dlq(self, m, reason: str) -> None:
+        """Copy a record to the DLQ with the reason; one larger than ``dlq_max_bytes``
+        is referenced instead (where it is, its size and SHA-256), so that the copy can
+        never be refused for its size."""
         self.metrics.dlq.inc()
+        value, key = m.value(), m.key()
+        source = f"{m.topic()}/{m.partition()}/{m.offset()}"
         headers = list(m.headers() or [])
-        headers += [
-            (_ERROR_HEADER, reason[:2000].encode()),
-            (_SOURCE_HEADER, f"{m.topic()}/{m.partition()}/{m.offset()}".encode()),
-        ]
-        self._producer.produce(
-            self.settings.topics.name("dlq"), value=m.value(), key=m.key(), headers=headers,
-            on_delivery=self._delivery,
-        )
+        size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers)
+        if size > self.options.dlq_max_bytes:
+            digest = hashlib.sha256(value or b"").hexdigest()
+            self.metrics.dlq_referenced.inc()
+            value = json.dumps({
+                "topic": m.topic(), "partition": m.partition(), "offset": m.offset(),
+                "size": size, "sha256": digest, "reason": reason[:2000],
+            }).encode()
+            headers = [(_REF_HEADER, f"size={size} sha256={digest}".encode())]
+            key = key if key is not None and len(key) <= 1024 else None
+        headers += [(_ERROR_HEADER, reason[:2000].encode()), (_SOURCE_HEADER, source.encode())]
+        self._produce("dlq", self.settings.topics.name("dlq"), value=value, key=key, headers=headers)
+
+    def _produce(self, what: str, topic: str, **kw) -> None:
+        """Produce without ever raising: a record the producer refuses at once (too
+        large, queue full, ...) is counted and logged; the caller goes on."""
+        try:
+            self._producer.produce(topic, on_delivery=self._delivery, **kw)
+        except (KafkaException, BufferError) as exc:
+            error = exc.args[0].name() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else type(exc).__name__
+            self.metrics.produce_refused.labels(what=what, error=error).inc()
+            log.error("produce refused", what=what, topic=topic, error=str(exc))
         self._producer.poll(0)
 
     def _delivery(self, err, _msg) -> None:
@@ -366,34 +476,58 @@ class Replica:
             {"worker_id": wid, "requester": self.replica_id, "reason": reason,
              "requested_at_ms": int(time.time() * 1000)},
         )
-        self._producer.produce(self.settings.topics.name("control"), value=value, on_delivery=self._delivery)
-        self._producer.poll(0)
+        self._produce("resync", self.settings.topics.name("control"), value=value)
 
     def _housekeeping(self) -> None:
-        now = time.monotonic()
-        if now - self._last_tick >= self.options.tick_interval_s:
-            self._last_tick = now
-            for p in range(self.partition_count):
-                self._producer.produce(self.events_topic, value=None, partition=p, headers=[(TICK_HEADER, b"")])
+        with self.lock:
+            self._ticker.step(self.fold)
+        self._positions.step(self.positions)
         self._producer.poll(0)
+
+    def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self.metrics.ticks.inc()
+        self._produce("tick", self.events_topic, value=value, key=key, partition=partition, headers=headers)
 
     def _lag_loop(self) -> None:
         # Its own thread: a slow broker answer must never stall ingest.
         while not self._stop.is_set():
+            if time.monotonic() - self._last_metadata >= self.options.metadata_interval_s:
+                self._check_partitions()
             self._update_lag()
+            self.supervisor.progress("lag")
             self._stop.wait(0.5)
 
-    def _update_lag(self) -> None:
+    def _check_partitions(self) -> None:
+        """Find partitions added to the events topic since the last check."""
+        self._last_metadata = time.monotonic()
+        try:
+            md = self._watermarks.list_topics(self.events_topic, timeout=10).topics.get(self.events_topic)
+        except KafkaException as exc:
+            log.warning("metadata check failed", error=str(exc))
+            return
+        if md is None or md.error is not None:
+            return
+        count = len(md.partitions)
+        if count <= self.partition_count:
+            return
         with self.lock:
-            offsets = self.fold.next_offsets()
+            added = list(range(self.partition_count, count))
+            self._new_partitions.extend(added)
+            self.partition_count = count
+            if self.snapshotter is not None:
+                self.snapshotter.partition_count = count
+        self.metrics.partitions.set(count)
+        log.warning("events topic has new partitions", replica=self.replica_id, added=added, partitions=count)
+
+    def _update_lag(self) -> None:
+        offsets = self.positions()
         try:
             bounds = self._bounds(timeout=0)
         except RecoveryError:
             return  # broker unreachable: keep the last view; readiness unchanged
         lag = {}
         for p, (_, high) in bounds.items():
-            pos = offsets.get(p, self._start_offsets.get(p, 0))
-            lag[p] = max(0, high - pos)
+            lag[p] = max(0, high - offsets.get(p, 0))
             self.metrics.lag.labels(partition=str(p)).set(lag[p])
         self._lag = lag
         if all(v <= self.options.ready_max_lag for v in lag.values()) and not self._resyncs_pending():
@@ -481,13 +615,10 @@ class Replica:
 
     def _share(self, op: ActiveOp) -> None:
         self.metrics.active_ops.labels(source="local").inc()
-        self._producer.produce(
-            self.settings.topics.name("active"),
-            value=self.active_codec.encode(self.replica_id, op),
-            key=op.request_id.encode(),
-            on_delivery=self._delivery,
+        self._produce(
+            "active", self.settings.topics.name("active"),
+            value=self.active_codec.encode(self.replica_id, op), key=op.request_id.encode(),
         )
-        self._producer.poll(0)
 
     # -- requests --------------------------------------------------------------------
 

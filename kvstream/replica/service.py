@@ -166,7 +166,8 @@ def create_app(replica: Replica, token: str | None = None) -> FastAPI:
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        body = {"ready": replica.ready, "lag": replica.lag(), "replica_id": replica.replica_id}
+        body = {"ready": replica.ready, "lag": replica.lag(), "replica_id": replica.replica_id,
+                "reasons": replica.not_ready_reasons()}
         return JSONResponse(body, status_code=200 if replica.ready else 503)
 
     @app.get("/metrics")

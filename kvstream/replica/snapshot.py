@@ -34,7 +34,7 @@ import xxhash
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstream.events.model import Tier
-from kvstream.router.index import WorkerBlocks
+from kvstream.router.index import PackedBlocks, WorkerBlocks
 from kvstream.replica.errors import SnapshotError
 
 CHUNK_BYTES = 64 * 1024
@@ -56,7 +56,8 @@ def pack_worker(parts: list[WorkerBlocks]) -> bytes:
     return b"".join(out)
 
 
-def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
+def packed_worker(blob: bytes) -> list[PackedBlocks]:
+    """The parts of a worker blob, hashes left packed (what a restore imports)."""
     try:
         (count,) = struct.unpack_from("<I", blob, 0)
         pos, parts = 4, []
@@ -65,15 +66,25 @@ def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
             pos += 13
             if pos + 16 * n > len(blob):
                 raise SnapshotError("worker blob is shorter than its header says")
-            bh = np.frombuffer(blob, _U64, n, pos).tolist()
-            sh = np.frombuffer(blob, _U64, n, pos + 8 * n).tolist()
+            parts.append(PackedBlocks(rank, _TIERS[tier], blob, pos, n))
             pos += 16 * n
-            parts.append(WorkerBlocks(rank, _TIERS[tier], bh, sh))
     except (struct.error, IndexError) as exc:
         raise SnapshotError(f"malformed worker blob: {exc}") from None
     if pos != len(blob):
         raise SnapshotError("worker blob has trailing bytes")
     return parts
+
+
+def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
+    """The parts of a worker blob, hashes as lists of ints."""
+    return [
+        WorkerBlocks(
+            p.dp_rank, p.tier,
+            np.frombuffer(blob, _U64, p.count, p.offset).tolist(),
+            np.frombuffer(blob, _U64, p.count, p.offset + 8 * p.count).tolist(),
+        )
+        for p in packed_worker(blob)
+    ]
 
 
 # -- meta ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from kvstream.replica.snapshot import (
     SnapshotStore,
     WorkerMeta,
     pack_worker,
-    unpack_worker,
+    packed_worker,
 )
 
 log = get_logger(__name__)
@@ -202,7 +202,7 @@ def restore_fold(
         pm = meta.partitions[p]
         fold.restore_partition(p, pm.next_offset, pm.log_time_ms)
         for wid, wm in pm.workers.items():
-            fold.restore_worker(
+            if fold.restore_worker(
                 wid, WorkerLog(p, wm.epoch, wm.lease_ms, wm.last_seen_ms, dict(wm.last_ids))
-            )
-            index.import_worker(wid, unpack_worker(blobs[wid]))
+            ):
+                index.import_worker(wid, packed_worker(blobs[wid]))

@@ -62,6 +62,18 @@ class WorkerBlocks(NamedTuple):
     seq_hashes: Sequence[int]
 
 
+class PackedBlocks(NamedTuple):
+    """``WorkerBlocks`` still packed in a snapshot blob: ``count`` little-endian u64
+    block hashes at byte ``offset`` of ``data``, then their sequence hashes. The core
+    imports them without building Python lists (restart speed)."""
+
+    dp_rank: int
+    tier: Tier
+    data: bytes
+    offset: int
+    count: int
+
+
 class TierOverlap(NamedTuple):
     """Leading prompt blocks credited to one worker on each tier (DESIGN.md §4): the
     device prefix, then its continuation on host_pinned, disk and external in turn."""
@@ -125,6 +137,15 @@ class TieredIndex:
             self._free_slots.append(slot)
         return removed
 
+    def worker_blocks(self, worker_id: int) -> int:
+        """Blocks a worker holds over every rank and tier: O(its ranks)."""
+        size = self._core.size
+        return sum(
+            size(i, self._slot_of[(worker_id, rank)])
+            for rank in self._ranks.get(worker_id, ())
+            for i in range(len(TIERS))
+        )
+
     def clear_worker(self, worker_id: int) -> None:
         """Drop every block of every rank of a worker, on every tier; it stays known."""
         for rank in self._ranks.get(worker_id, ()):
@@ -144,8 +165,9 @@ class TieredIndex:
             out.extend(parts or [WorkerBlocks(rank, Tier.DEVICE, [], [])])
         return out
 
-    def import_worker(self, worker_id: int, parts: Iterable[WorkerBlocks]) -> None:
-        """Install a worker exported by :meth:`export_worker` (it must be unknown)."""
+    def import_worker(self, worker_id: int, parts: Iterable[WorkerBlocks | PackedBlocks]) -> None:
+        """Install a worker exported by :meth:`export_worker`, as lists or still packed
+        (it must be unknown)."""
         if worker_id in self._ranks:
             raise ValueError(f"worker {worker_id} is already known")
         for p in parts:
@@ -155,7 +177,10 @@ class TieredIndex:
                     f"worker {worker_id} rank {p.dp_rank} already holds blocks on {p.tier.value}"
                 )
             try:
-                self._core.import_blocks(_TIER_INDEX[p.tier], slot, p.block_hashes, p.seq_hashes)
+                if type(p) is PackedBlocks:
+                    self._core.import_packed(_TIER_INDEX[p.tier], slot, p.data, p.offset, p.count)
+                else:
+                    self._core.import_blocks(_TIER_INDEX[p.tier], slot, p.block_hashes, p.seq_hashes)
             except (OverflowError, TypeError):
                 raise ValueError("exported hashes must be integers in [0, 2**64)") from None
 

@@ -10,6 +10,9 @@
 #   broker.sh kill-node --index N [--signal SIG] [--dir DIR]   signal one node (fault tests)
 #   broker.sh start-node --index N [--dir DIR]        relaunch one stopped node, same config
 #   broker.sh version                                 the pinned Kafka version
+#   broker.sh tool NAME [ARGS...]                     run one of Kafka's own command-line
+#                                                     tools (console-consumer, consumer-groups,
+#                                                     get-offsets) against any cluster
 #
 # Every node is a combined broker+controller on free loopback ports; three nodes are one
 # cluster with three controller voters. Environment: KVSTREAM_CACHE (cache root),
@@ -120,6 +123,69 @@ make_archive() {
         rm -f "$dump"
         return 1
     fi
+}
+
+# ---------------------------------------------------------------- Kafka's own tools
+
+# org.apache.kafka:kafka-tools is not a dependency of the broker jar: resolved on first use
+# into its own folder, next to the broker's jars (which it shares at run time).
+TOOLS="$CACHE_ROOT/kafka/$KAFKA_VERSION/tools"
+
+fetch_tools() {
+    [[ -f "$TOOLS/.complete" ]] && return 0
+    fetch
+    local base="$CACHE_ROOT/kafka/$KAFKA_VERSION" work
+    exec 8>"$base/.tools.lock"
+    flock 8
+    if [[ ! -f "$TOOLS/.complete" ]]; then
+        work="$base/tools.tmp.$$"
+        rm -rf "$work" && mkdir -p "$work"
+        cat >"$work/pom.xml" <<EOF
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>kvstream.local</groupId>
+  <artifactId>kafka-tools-runtime</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency>
+      <groupId>org.apache.kafka</groupId>
+      <artifactId>kafka-tools</artifactId>
+      <version>$KAFKA_VERSION</version>
+    </dependency>
+  </dependencies>
+</project>
+EOF
+        log "resolving org.apache.kafka:kafka-tools:$KAFKA_VERSION"
+        if ! mvn -B -q -f "$work/pom.xml" dependency:copy-dependencies \
+            -DincludeScope=runtime -DoutputDirectory="$work/jars" >"$work/mvn.log" 2>&1; then
+            tail -n 30 "$work/mvn.log" >&2
+            die "could not resolve kafka-tools $KAFKA_VERSION from Maven (log above)"
+        fi
+        rm -rf "$TOOLS"
+        mv "$work/jars" "$TOOLS"
+        rm -rf "$work"
+        touch "$TOOLS/.complete"
+    fi
+    flock -u 8
+    exec 8>&-
+}
+
+cmd_tool() {
+    (($#)) || die "tool needs a NAME: console-consumer, consumer-groups or get-offsets"
+    local name="$1" class
+    shift
+    case "$name" in
+        console-consumer) class=org.apache.kafka.tools.consumer.ConsoleConsumer ;;
+        consumer-groups) class=org.apache.kafka.tools.consumer.group.ConsumerGroupCommand ;;
+        get-offsets) class=org.apache.kafka.tools.GetOffsetShell ;;
+        *) die "unknown tool '$name' (console-consumer, consumer-groups, get-offsets)" ;;
+    esac
+    fetch_tools
+    # The broker's jars first: the tools' copies of the jars both need are the same versions.
+    exec java -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC \
+        -Dlog4j2.configurationFile="$HERE/log4j2-tools.properties" \
+        -cp "$LIBS/*:$TOOLS/*" "$class" "$@"
 }
 
 # JVM options shared by every Kafka JVM: the class-data archive, where there is one.
@@ -490,6 +556,7 @@ main() {
         kill-node) cmd_kill_node "$@" ;;
         start-node) cmd_start_node "$@" ;;
         version) echo "$KAFKA_VERSION" ;;
+        tool) cmd_tool "$@" ;;
         -h|--help|help) usage ;;
         *) die "unknown command '$cmd'" ;;
     esac

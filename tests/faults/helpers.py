@@ -15,10 +15,12 @@ import httpx
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvstream.kafka.config import consumer_config
+from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.fold import TICK_HEADER, LogFold
-from kvstream.settings import Settings
+from kvstream.router import Router
+from kvstream.settings import FoldSettings, Settings
 
-from tests.replica.helpers import new_fold
+from tests.replica.helpers import CODEC
 from tests.replica.test_snapshot import state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +34,7 @@ class LogRecord:
     timestamp_ms: int
     value: bytes | None
     is_tick: bool
+    key: bytes | None = None
 
 
 def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
@@ -57,7 +60,7 @@ def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
                 if p not in todo:
                     continue
                 tick = any(k == TICK_HEADER for k, _ in (m.headers() or ()))
-                out.append(LogRecord(p, m.offset(), m.timestamp()[1], m.value(), tick))
+                out.append(LogRecord(p, m.offset(), m.timestamp()[1], m.value(), tick, m.key()))
                 if m.offset() + 1 >= bounds[p][1]:
                     todo.discard(p)
         out.sort(key=lambda r: (r.partition, r.offset))
@@ -66,11 +69,12 @@ def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
         c.close()
 
 
-def reference_fold(records: list[LogRecord]) -> LogFold:
-    """A fresh fold fed ``records`` in offset order: the truth a replica must equal."""
-    fold = new_fold()
+def reference_fold(records: list[LogRecord], fold_settings: FoldSettings | None = None) -> LogFold:
+    """A fresh fold fed ``records`` in offset order, with the authority a replica with
+    ``fold_settings`` (default: the default settings) applies: the truth it must equal."""
+    fold = LogFold(Router(), CODEC.decode, authority_from_settings(fold_settings or FoldSettings()))
     for r in records:
-        fold.apply_record(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick)
+        fold.apply_record(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
     return fold
 
 
@@ -88,7 +92,7 @@ def agrees_with_log(replica, settings: Settings) -> LogFold:
     with replica.lock:
         offsets = replica.fold.next_offsets()
         mine = comparable(replica.fold)
-    truth = reference_fold([r for r in read_log(settings) if r.offset < offsets.get(r.partition, 0)])
+    truth = reference_fold([r for r in read_log(settings) if r.offset < offsets.get(r.partition, 0)], settings.fold)
     assert mine == comparable(truth), f"{replica.replica_id} differs from the reference fold"
     return truth
 

@@ -20,12 +20,12 @@ from kvstream.settings import Settings, TopicSettings
 SECURITY = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN"}
 
 
-def test_producer_is_idempotent_acks_all_lz4() -> None:
+def test_producer_is_idempotent_acks_all_zstd() -> None:
     cfg = producer_config(Settings(bootstrap="h:1"))
     assert cfg["bootstrap.servers"] == "h:1"
     assert cfg["enable.idempotence"] is True
     assert cfg["acks"] == "all"
-    assert cfg["compression.type"] == "lz4"
+    assert cfg["compression.type"] == "zstd"
     assert 0 < cfg["linger.ms"] <= 20
 
 

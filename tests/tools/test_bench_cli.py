@@ -40,3 +40,6 @@ def test_publish_bench(kafka_bootstrap: str) -> None:
     r = run(["publish", "--json", "--bootstrap", kafka_bootstrap, "--messages", "300"])
     assert r["block_events"] >= 300 * 16
     assert r["blocks_per_s"] > 0 and r["baseline_blocks_per_s"] > 0
+    # Random hashes do not compress: at least 8 bytes (a removed block) per block event.
+    assert r["wire_bytes_per_block_event"] >= 8 and r["baseline_wire_bytes_per_block_event"] >= 8
+    assert r["records_per_produce_request"] >= 1

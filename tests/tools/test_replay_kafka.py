@@ -246,7 +246,8 @@ def test_dump_filters_return_exactly_the_matching_events(kafka_topics: Settings)
     _, seq1 = block_hashes(p1)
 
     def ids(rows: list[dict]) -> list[tuple]:
-        return sorted((r["worker_id"] or 0, r["kind"], -1 if r["event_id"] is None else r["event_id"]) for r in rows)
+        # 64-bit values come as decimal strings (exact in any JSON reader).
+        return sorted((int(r["worker_id"] or 0), r["kind"], -1 if r["event_id"] is None else int(r["event_id"])) for r in rows)
 
     everything = _rows(run(kafka_topics, "dump", "--jsonl"))
     assert ids(everything) == [
@@ -258,7 +259,9 @@ def test_dump_filters_return_exactly_the_matching_events(kafka_topics: Settings)
     ]
     host = _rows(run(kafka_topics, "dump", "--jsonl", "--tier", "host_pinned"))
     assert ids(host) == [(2, "stored", 1)]
-    assert host[0]["block_hashes"] == list(block_hashes(p2)[1])
+    assert host[0]["block_hashes"] == [str(h) for h in block_hashes(p2)[1]]
+    numbers = _rows(run(kafka_topics, "dump", "--jsonl", "--u64-numbers", "--tier", "host_pinned"))
+    assert numbers[0]["block_hashes"] == list(block_hashes(p2)[1]) and numbers[0]["worker_id"] == 2
     assert ids(_rows(run(kafka_topics, "dump", "--jsonl", "--kind", "removed", "--kind", "heartbeat"))) == [
         (1, "removed", 2), (2, "heartbeat", -1)
     ]
@@ -354,7 +357,7 @@ def test_follow_tails_the_live_log_and_stops_cleanly_on_ctrl_c(kafka_topics: Set
         assert json.loads(proc.stdout.readline())["kind"] == "cleared"  # the existing record
         produce(kafka_topics, [(8, w.batch(w.stored(list(range(32)))))])
         row = json.loads(proc.stdout.readline())  # a record published after the start
-        assert (row["kind"], row["event_id"]) == ("stored", 1)
+        assert (row["kind"], row["event_id"]) == ("stored", "1")  # 64-bit values as strings
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:

@@ -11,7 +11,7 @@ import pytest
 
 from kvstream.events.model import Tier
 from kvstream.tools.replay.diff import Difference, IndexState, diff_states, state_of_fold
-from kvstream.tools.replay.dump import EventFilter, record_rows
+from kvstream.tools.replay.dump import EventFilter, json_row, record_rows
 from kvstream.tools.replay.errors import ReplayError, SourceError
 from kvstream.tools.replay.explain import load_request
 from kvstream.tools.replay.reader import Record, format_time, parse_offsets, parse_time
@@ -46,6 +46,25 @@ def test_parse_offsets() -> None:
 
 def _rows(value: bytes | None, tick: bool = False) -> list[dict]:
     return record_rows(Record(0, 7, NOW_MS, None, value, tick), CODEC.decode)
+
+
+def test_jsonl_rows_carry_64_bit_values_as_strings() -> None:
+    """A double holds integers exactly only up to 2^53: 2^53 + 1 and u64 max survive
+    a JSON reader that parses numbers as doubles only as strings."""
+    big = (1 << 53) + 1
+    w = FakeWorkerLog(2**64 - 1, epoch=big)
+    w.next_id[0] = big
+    ev = w.removed(list(range(32)))
+    (row,) = _rows(w.batch(ev))
+    line = json.dumps(json_row(row))
+    as_doubles = json.loads(line, parse_int=float, parse_float=float)  # a double-only reader
+    assert as_doubles["worker_id"] == "18446744073709551615" and as_doubles["epoch"] == str(big)
+    assert as_doubles["event_id"] == str(big) and as_doubles["lease_ms"] == str(w.lease_ms)
+    assert [int(h) for h in as_doubles["block_hashes"]] == list(ev.block_hashes)
+    assert as_doubles["parent_hash"] is None and as_doubles["dp_rank"] == 0.0
+    numbers = json.loads(json.dumps(json_row(row, wide_as_numbers=True)))
+    assert numbers["worker_id"] == 2**64 - 1 and numbers["event_id"] == big
+    assert json.loads(json.dumps(json_row(row, True)), parse_int=float)["event_id"] != big  # what strings avoid
 
 
 def test_rows_and_filters() -> None:

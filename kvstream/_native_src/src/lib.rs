@@ -10,6 +10,8 @@ use pyo3::types::PyList;
 use pyo3::ffi;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+mod avro_check;
+mod event_encode;
 mod index;
 
 /// Seed of the chained sequence hash (and of local hashes without LoRA).
@@ -124,5 +126,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_class::<index::IndexCore>()?;
+    m.add_class::<avro_check::AvroLayout>()?;
+    m.add_function(wrap_pyfunction!(event_encode::encode_event_batch, m)?)?;
     Ok(())
 }

@@ -200,7 +200,7 @@ def http_bench(
     bodies = [orjson.dumps({"token_ids": p, "query_only": True}) for p in prompts]
     with kafka_env(bootstrap, events_partitions=partitions) as settings:
         produce_records(settings, records, "writing the log")
-        # The default readiness threshold: the replica's own startup ticks must not make
+        # The default readiness threshold: the replica's own log-clock ticks must not make
         # it refuse requests while the clients run.
         replica = Replica(settings, replace(replica_options(None), ready_max_lag=ReplicaOptions().ready_max_lag))
         replica.start()

@@ -154,7 +154,7 @@ def wait_applied(replica: Replica, targets: Mapping[int, int], timeout: float, d
 
 def wait_settled(replica: Replica, settings: Settings, timeout: float, desc: str = "applying") -> None:
     """Wait until ``replica`` has read the events topic to its end and the end no longer
-    moves (a starting replica writes log-clock ticks of its own), then until it reports
+    moves (a replica writes a log-clock tick where a worker's lease ran out), then until it reports
     ready."""
     deadline = time.monotonic() + timeout
     targets = high_watermarks(settings)

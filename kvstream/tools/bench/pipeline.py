@@ -241,8 +241,11 @@ class ApplyClock:
         self.on = False
         self.samples: list[tuple[int, float]] = []
 
-    def __call__(self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool = False) -> Outcome:
-        out = self._apply(partition, offset, timestamp_ms, value, is_tick)
+    def __call__(
+        self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool = False,
+        key: bytes | None = None,
+    ) -> Outcome:
+        out = self._apply(partition, offset, timestamp_ms, value, is_tick, key)
         if self.on and not is_tick:
             self.samples.append((timestamp_ms, time.time()))
         return out

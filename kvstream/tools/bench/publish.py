@@ -17,6 +17,7 @@ from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.settings import Settings
 from kvstream.tools.bench.common import emit, json_option
 from kvstream.tools.bench.kafka_env import kafka_env
+from kvstream.tools.bench.wire import WireMeter, WireTotals
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, ZmqEngineBridge
@@ -102,6 +103,14 @@ def _read_values(settings: Settings, topic: str) -> list[bytes]:
 @click.option("--capacity", default=50_000, show_default=True, help="Blocks the engine holds before it evicts.")
 @click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.DEDUP.value, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--rate", default=0.0, show_default=True,
+    help="Engine messages per second, as a steady engine sends them (0: as fast as possible).",
+)
+@click.option(
+    "--producer-set", "producer_set", multiple=True, metavar="KEY=VALUE",
+    help="A librdkafka producer setting for this run (ours and the baseline), e.g. linger.ms=20.",
+)
 @json_option
 def publish_bench(
     bootstrap: str | None,
@@ -111,15 +120,23 @@ def publish_bench(
     capacity: int,
     mode: str,
     seed: int,
+    rate: float,
+    producer_set: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Engine frames → ZmqEngineBridge.handle_frames → Consolidator → KafkaPublisher →
     acknowledged by Kafka (the clock stops when flush() returns with nothing left). The
     baseline produces the same Kafka messages, already encoded, with the same producer
     settings and waits for them the same way."""
+    overrides = {}
+    for item in producer_set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--producer-set")
+        overrides[key.strip()] = value.strip()
     frames, block_events = engine_frames(messages, blocks, block_size, capacity, seed)
     with kafka_env(bootstrap) as settings:
-        result = _run(settings, frames, block_events, Mode(mode))
+        result = _run(settings, frames, block_events, Mode(mode), rate, overrides)
     emit(
         {
             "bench": "publish",
@@ -128,13 +145,25 @@ def publish_bench(
             "block_size": block_size,
             "mode": mode,
             "block_events": block_events,
+            "rate": rate,
+            "producer_settings": overrides,
             **result,
         },
         as_json,
     )
 
 
-def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode: Mode) -> dict[str, object]:
+def _wire_figures(prefix: str, wire: WireTotals, block_events: int) -> dict[str, object]:
+    return {
+        f"{prefix}wire_bytes_per_block_event": round(wire.tx_bytes / block_events, 2),
+        f"{prefix}records_per_produce_request": round(wire.records / max(wire.produce_requests, 1), 2),
+    }
+
+
+def _run(
+    settings: Settings, frames: list[list[bytes]], block_events: int, mode: Mode, rate: float,
+    overrides: dict[str, str],
+) -> dict[str, object]:
     # Without Kafka: parsing, hashing and consolidation alone.
     counter = _CountingWriter()
     bridge = ZmqEngineBridge(BridgeOptions((Endpoint("inproc://unused"),)), Consolidator(counter, mode))
@@ -145,23 +174,34 @@ def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode:
     if counter.blocks != block_events:
         raise click.ClickException(f"pipeline without Kafka saw {counter.blocks} block events, expected {block_events}")
 
-    publisher = KafkaPublisher(settings, PublisherOptions(worker_id=WORKER_ID, listen_control=False))
+    meter = WireMeter()
+    publisher = KafkaPublisher(
+        settings,
+        PublisherOptions(worker_id=WORKER_ID, listen_control=False, producer_overrides={**overrides, **meter.config()}),
+    )
     consolidator = Consolidator(publisher, mode)
     bridge = ZmqEngineBridge(BridgeOptions((Endpoint("inproc://unused"),)), consolidator)
+    poll_every = 64 if rate <= 0 else 1
     try:
         if publisher.flush(60):  # warm: connection, metadata, the epoch's first batch
             raise click.ClickException("Kafka did not acknowledge the first batch")
+        wire_before = meter.totals(publisher.flush)
         acked_before = publisher.stats.acked_blocks
         t0, cpu0 = time.perf_counter(), time.process_time()
         for i, f in enumerate(frames):
+            if rate > 0:
+                pause = t0 + i / rate - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
             bridge.handle_frames(f)
-            if i % 64 == 63:
+            if i % poll_every == poll_every - 1:
                 publisher.poll(consolidator)
         left = publisher.flush(120)
         ours_s = time.perf_counter() - t0
         # CPU of the whole process (librdkafka's threads included): on a shared machine
         # wall time also counts other processes' turns.
         ours_cpu_s = time.process_time() - cpu0
+        wire = meter.totals(publisher.flush) - wire_before
         stats = publisher.stats
     finally:
         publisher.close()
@@ -182,11 +222,15 @@ def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode:
         raise click.ClickException(f"the log holds {on_log} block events, expected {block_events}")
 
     base_topic = settings.topics.name("control")  # an existing topic with no other traffic now
-    producer = Producer(producer_config(settings, **{"client.id": "kvstream-bench-baseline"}))
+    base_meter = WireMeter()
+    producer = Producer(
+        producer_config(settings, **{"client.id": "kvstream-bench-baseline", **overrides, **base_meter.config()})
+    )
     producer.produce(base_topic, value=values[0], key=WORKER_ID.to_bytes(8, "big"))
     if producer.flush(60):
         raise click.ClickException("Kafka did not acknowledge the baseline's warm-up message")
     key = WORKER_ID.to_bytes(8, "big")
+    base_before = base_meter.totals(producer.poll)
     t0, cpu0 = time.perf_counter(), time.process_time()
     for v in values:
         while True:
@@ -200,6 +244,7 @@ def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode:
         raise click.ClickException("baseline messages unacknowledged")
     base_s = time.perf_counter() - t0
     base_cpu_s = time.process_time() - cpu0
+    base_wire = base_meter.totals(producer.poll) - base_before
 
     ours = block_events / ours_s
     base = block_events / base_s
@@ -216,4 +261,6 @@ def _run(settings: Settings, frames: list[list[bytes]], block_events: int, mode:
         "baseline_cpu_seconds": round(base_cpu_s, 3),
         "blocks_per_cpu_s": round(block_events / ours_cpu_s),
         "no_kafka_blocks_per_s": round(block_events / no_kafka_s),
+        **_wire_figures("", wire, block_events),
+        **_wire_figures("baseline_", base_wire, block_events),
     }

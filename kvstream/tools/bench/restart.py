@@ -30,7 +30,7 @@ from kvstream.events.codec import EventCodec
 from kvstream.events.model import Cleared, EventBatch, Stored, Tier
 from kvstream.replica.fold import LogFold
 from kvstream.replica.replica import Replica, ReplicaOptions
-from kvstream.replica.snapshot import SnapshotStore, unpack_worker
+from kvstream.replica.snapshot import SnapshotStore, packed_worker
 from kvstream.replica.snapshotter import restore_fold
 from kvstream.router import Router
 from kvstream.settings import Settings
@@ -254,7 +254,7 @@ def _restore_breakdown(snap: Path) -> dict[str, float]:
     meta, blobs = loaded
     t0 = time.perf_counter()
     for b in blobs.values():
-        unpack_worker(b)
+        packed_worker(b)
     unpack_s = time.perf_counter() - t0
     fold = LogFold(Router(), EventCodec().decode)
     t0 = time.perf_counter()

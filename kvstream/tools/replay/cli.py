@@ -131,21 +131,30 @@ def replay() -> None:
     help="Only these kinds.",
 )
 @click.option("--block-hash", type=int, help="Only events naming this block, tokens or parent hash.")
-@click.option("--jsonl", is_flag=True, help="One JSON object per event (for tools).")
+@click.option(
+    "--jsonl", is_flag=True,
+    help="One JSON object per event (for tools); ids and hashes (64-bit) as decimal strings.",
+)
+@click.option(
+    "--u64-numbers", is_flag=True,
+    help="With --jsonl: 64-bit ids and hashes as JSON numbers (tools that read numbers as doubles round them above 2^53).",
+)
 @click.option("--follow", is_flag=True, help="Keep printing new events until Ctrl-C (--from now: no history).")
 @_guard
 def dump(
     config_file: str | None, bootstrap: str | None, topic_prefix: str | None, progress: bool | None,
     from_: str | None, to: str | None, from_offset: tuple[str, ...], to_offset: tuple[str, ...],
     partition: tuple[int, ...], worker: tuple[int, ...], rank: tuple[int, ...], tier: tuple[str, ...],
-    kind: tuple[str, ...], block_hash: int | None, jsonl: bool, follow: bool,
+    kind: tuple[str, ...], block_hash: int | None, jsonl: bool, u64_numbers: bool, follow: bool,
 ) -> None:
     """Events of a range of kvstream.events, filtered; a table, or JSON lines."""
-    from kvstream.tools.replay.dump import TABLE_HEADER, EventFilter, dump_rows, table_line
+    from kvstream.tools.replay.dump import TABLE_HEADER, EventFilter, dump_rows, json_row, table_line
     from kvstream.tools.replay.reader import LogReader
 
     if follow and (to or to_offset):
         raise ReplayError("--follow reads to the end and beyond: it takes no --to/--to-offset")
+    if u64_numbers and not jsonl:
+        raise ReplayError("--u64-numbers only applies to --jsonl")
     settings = _settings(config_file, bootstrap, topic_prefix)
     bounds = _bounds(from_, to, from_offset, to_offset, partition)
     filt = EventFilter(
@@ -161,7 +170,7 @@ def dump(
             click.echo(TABLE_HEADER)
         records = reader.read(start, None if follow else end, progress=progress and not follow, desc="dump")
         for row in dump_rows(records, filt):
-            click.echo(json.dumps(row) if jsonl else table_line(row))
+            click.echo(json.dumps(json_row(row, u64_numbers)) if jsonl else table_line(row))
 
 
 # -- rebuild ---------------------------------------------------------------------------

@@ -18,6 +18,11 @@ from kvstream.events.model import Cleared, EventBatch, Removed, Stored, Tier
 from kvstream.tools.replay.reader import Record, format_time
 
 KINDS = ("stored", "removed", "cleared", "heartbeat", "tick", "undecodable")
+#: Fields holding 64-bit values (u64 ids and hashes; lease_ms up to 2^63): many JSON
+#: tools read numbers as doubles, exact only up to 2^53, so JSON lines carry them as
+#: decimal strings unless asked for numbers.
+WIDE_FIELDS = ("worker_id", "epoch", "lease_ms", "event_id", "parent_hash")
+WIDE_LIST_FIELDS = ("block_hashes", "tokens_hashes")
 KIND_OF = {Stored: "stored", Removed: "removed", Cleared: "cleared"}
 
 
@@ -106,6 +111,20 @@ def dump_rows(records: Iterable[Record], filt: EventFilter) -> Iterator[dict[str
         for row in record_rows(r, decode):
             if match(row):
                 yield row
+
+
+def json_row(row: dict[str, Any], wide_as_numbers: bool = False) -> dict[str, Any]:
+    """``row`` for JSON: 64-bit values as decimal strings (None stays null), or as they
+    are with ``wide_as_numbers``."""
+    if wide_as_numbers:
+        return row
+    out = dict(row)
+    for name in WIDE_FIELDS:
+        if out[name] is not None:
+            out[name] = str(out[name])
+    for name in WIDE_LIST_FIELDS:
+        out[name] = [str(h) for h in out[name]]
+    return out
 
 
 # -- table for people -------------------------------------------------------------------

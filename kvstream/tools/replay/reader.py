@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from tqdm import tqdm
 
 from kvstream.kafka.config import consumer_config
-from kvstream.replica.fold import TICK_HEADER
+from kvstream.replica.ticks import is_tick
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, RetentionError, TopicMissingError
 
@@ -262,12 +262,8 @@ class LogReader:
                     if not follow and off >= end[p]:  # type: ignore[index]
                         self._done(active, p)
                         continue
-                    headers = m.headers()
                     bar.update(1)
-                    yield Record(
-                        p, off, m.timestamp()[1], m.key(), m.value(),
-                        bool(headers) and any(k == TICK_HEADER for k, _ in headers),
-                    )
+                    yield Record(p, off, m.timestamp()[1], m.key(), m.value(), is_tick(m.headers()))
                     if not follow and off + 1 >= end[p]:  # type: ignore[index]
                         self._done(active, p)
         finally:

@@ -17,6 +17,7 @@ from typing import Any
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import EventBatch, Tier
 from kvstream.replica.cli import router_config
+from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import SnapshotError
 from kvstream.replica.fold import LogFold
 from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore
@@ -30,7 +31,10 @@ from kvstream.tools.replay.reader import LogReader, Record, format_time
 def new_fold(settings: Settings, at_s: float, decode: Callable[[bytes], EventBatch] | None = None) -> LogFold:
     """An empty fold with the settings' router, whose clock stands still at ``at_s`` (so
     that request expiry is evaluated as of the replayed time)."""
-    return LogFold(Router(router_config(settings), clock=lambda: at_s), decode or EventCodec().decode)
+    return LogFold(
+        Router(router_config(settings), clock=lambda: at_s), decode or EventCodec().decode,
+        authority_from_settings(settings.fold),
+    )
 
 
 def fold_records(fold: LogFold, records: Iterable[Record]) -> int:
@@ -38,7 +42,7 @@ def fold_records(fold: LogFold, records: Iterable[Record]) -> int:
     n = 0
     apply = fold.apply_record
     for r in records:
-        apply(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick)
+        apply(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
         n += 1
     return n
 

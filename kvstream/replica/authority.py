@@ -1,0 +1,132 @@
+"""What the fold accepts from the events topic: the log's authority, made explicit
+(docs/RELIABILITY.md, "Threat model").
+
+Every check here depends only on the record itself (its key, timestamp and decoded
+batch) or on the fold's state, never on a wall clock or on how partitions interleave,
+so every replica and ``kvstream replay`` accept and reject exactly the same records.
+A rejected batch or event is counted under its reason and copied to the DLQ.
+
+The default :class:`LogAuthority` trusts everything (the fold of synthetic logs in
+tests and tools); replicas and replay build theirs from the ``[fold]`` settings with
+:func:`authority_from_settings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstream.events.model import Cleared, EventBatch, RouterEvent, Stored
+from kvstream.settings import FoldSettings
+
+# Counter reasons (batches rejected whole).
+KEY_MISMATCH = "batch_key_mismatch"
+NOT_ALLOWED = "worker_not_allowed"
+EPOCH_AHEAD = "batch_epoch_ahead"
+LEASE_TOO_LONG = "batch_lease_too_long"
+TOO_MANY_WORKERS = "partition_worker_limit"
+# Counter reasons (single events rejected).
+EVENT_TOO_LARGE = "event_block_limit"
+WORKER_FULL = "worker_block_limit"
+
+_NS_PER_MS = 1_000_000
+
+
+def worker_key(worker_id: int) -> bytes:
+    """The record key of a worker's batches (what the publisher sets: the worker id as
+    8 big-endian bytes), so that one worker's records stay on one partition."""
+    return worker_id.to_bytes(8, "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class LogAuthority:
+    """Bounds on what one record may do; ``None`` (or False) turns a check off."""
+
+    #: A batch's record key must be its worker id (:func:`worker_key`).
+    check_key: bool = False
+    #: Epochs that are wall-clock nanoseconds (the publisher's) may be at most this far
+    #: ahead of their record's timestamp (ms): an epoch of 2**64-1 cannot lock a worker
+    #: out. Counter epochs (1, 2, ...) are far below any timestamp and always pass.
+    max_epoch_ahead_ms: int | None = None
+    #: Longest lease a batch may ask for (ms): a lease bounds how long a silent worker
+    #: (or a phantom) is kept.
+    max_lease_ms: int | None = None
+    #: Most blocks in one stored or removed event.
+    max_blocks_per_event: int | None = None
+    #: Most blocks one worker may hold over all ranks and tiers.
+    max_blocks_per_worker: int | None = None
+    #: Most workers bound to one partition at once.
+    max_workers_per_partition: int | None = None
+    #: Only these worker ids are accepted (None: any).
+    allowed_workers: frozenset[int] | None = None
+
+    def check_batch(self, key: bytes | None, timestamp_ms: int, batch: EventBatch) -> Rejection | None:
+        """Checks that need nothing but the record."""
+        wid = batch.worker_id
+        if self.check_key and key != worker_key(wid):
+            got = "no key" if key is None else f"key {key.hex()}"
+            return Rejection(KEY_MISMATCH, f"worker {wid} in a record with {got} (expected {worker_key(wid).hex()})")
+        if self.allowed_workers is not None and wid not in self.allowed_workers:
+            return Rejection(NOT_ALLOWED, f"worker {wid} is not on the allow-list")
+        if self.max_epoch_ahead_ms is not None and batch.epoch // _NS_PER_MS > timestamp_ms + self.max_epoch_ahead_ms:
+            return Rejection(
+                EPOCH_AHEAD,
+                f"epoch {batch.epoch} (as ns: {batch.epoch // _NS_PER_MS} ms) is more than "
+                f"{self.max_epoch_ahead_ms} ms ahead of the record's time {timestamp_ms} ms",
+            )
+        if self.max_lease_ms is not None and batch.lease_ms > self.max_lease_ms:
+            return Rejection(LEASE_TOO_LONG, f"lease {batch.lease_ms} ms > {self.max_lease_ms} ms")
+        return None
+
+    def check_event(self, ev: RouterEvent, held: int) -> Rejection | None:
+        """Size limits of one event, for a worker holding ``held`` blocks (an upper
+        bound will do: the fold counts exactly before it rejects for the worker limit)."""
+        if type(ev) is Cleared:
+            return None
+        n = len(ev.block_hashes)
+        if self.max_blocks_per_event is not None and n > self.max_blocks_per_event:
+            return Rejection(EVENT_TOO_LARGE, f"{n} blocks > {self.max_blocks_per_event} per event")
+        if self.max_blocks_per_worker is not None and type(ev) is Stored and held + n > self.max_blocks_per_worker:
+            return Rejection(
+                WORKER_FULL, f"worker holds {held} blocks; {n} more exceed {self.max_blocks_per_worker}"
+            )
+        return None
+
+    def partition_full(self, bound: int) -> Rejection | None:
+        """Whether a partition that has ``bound`` workers may take one more."""
+        if self.max_workers_per_partition is not None and bound >= self.max_workers_per_partition:
+            return Rejection(TOO_MANY_WORKERS, f"partition already has {bound} workers (limit {self.max_workers_per_partition})")
+        return None
+
+
+#: Accepts whatever decodes (synthetic logs in tests and tools).
+TRUSTING = LogAuthority()
+
+REASONS: tuple[str, ...] = (
+    KEY_MISMATCH, NOT_ALLOWED, EPOCH_AHEAD, LEASE_TOO_LONG, TOO_MANY_WORKERS, EVENT_TOO_LARGE, WORKER_FULL,
+)
+
+
+def authority_from_settings(settings: FoldSettings) -> LogAuthority:
+    """The authority a replica (and replay, to agree with it) applies."""
+
+    def opt(v: int) -> int | None:
+        return v or None  # 0: no limit
+
+    return LogAuthority(
+        check_key=settings.check_key,
+        max_epoch_ahead_ms=None if settings.max_epoch_ahead_ms < 0 else settings.max_epoch_ahead_ms,
+        max_lease_ms=opt(settings.max_lease_ms),
+        max_blocks_per_event=opt(settings.max_blocks_per_event),
+        max_blocks_per_worker=opt(settings.max_blocks_per_worker),
+        max_workers_per_partition=opt(settings.max_workers_per_partition),
+        allowed_workers=None if settings.allowed_workers is None else frozenset(settings.allowed_workers),
+    )
