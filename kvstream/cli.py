@@ -38,8 +38,25 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.lazy:
             module, attr = self.lazy[cmd_name].split(":")
-            return getattr(importlib.import_module(module), attr)
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except ModuleNotFoundError as exc:
+                # An optional dependency (torch, on router hosts and the router image) is
+                # missing: `kvstream --help` still lists the command, running it says why.
+                return _unavailable(cmd_name, exc)
         return super().get_command(ctx, cmd_name)
+
+
+def _unavailable(name: str, exc: ModuleNotFoundError) -> click.Command:
+    reason = f"kvstream {name} needs the Python package {exc.name!r}, which is not installed"
+
+    def fail(**_: object) -> None:
+        raise click.ClickException(reason)
+
+    return click.Command(
+        name, callback=fail, help=f"(unavailable: {reason})", context_settings={"ignore_unknown_options": True},
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+    )
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})

@@ -64,6 +64,13 @@ class RouterSettings(BaseModel):
     max_active_decode_blocks: int | None = Field(None, ge=0)
     max_active_prefill_tokens: int | None = Field(None, ge=0)
     request_ttl_s: float = Field(300.0, gt=0)
+    #: ``kv``: the reference cost (§5); ``ttft``: predicted time to first token
+    #: (kvstream.router.policy). A route request may ask for either.
+    policy: Literal["kv", "ttft"] = "kv"
+    ttft_prior_tokens_per_s: float = Field(20_000.0, gt=0)
+    ttft_host_onboard_ratio: float = Field(0.1, ge=0)
+    ttft_disk_onboard_ratio: float = Field(0.5, ge=0)
+    ttft_recompute_weight: float = Field(0.5, ge=0)
 
 
 class ReplicaSettings(BaseModel):
@@ -71,8 +78,37 @@ class ReplicaSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
-    #: Bearer token required by the HTTP API (unset: none).
-    token: str | None = None
+    #: Bearer token accepted for every scope of the HTTP API (unset: see the scoped ones;
+    #: none at all: an open API, allowed on loopback only). kvstream.replica.auth.
+    token: str | None = Field(None, min_length=1)
+    token_file: Path | None = None
+    #: Tokens of one scope each: routing clients, operators (snapshot, workers), peers.
+    #: ``peer_token`` is also what this replica presents to ``peer_url``.
+    client_token: str | None = Field(None, min_length=1)
+    client_token_file: Path | None = None
+    operator_token: str | None = Field(None, min_length=1)
+    operator_token_file: Path | None = None
+    peer_token: str | None = Field(None, min_length=1)
+    peer_token_file: Path | None = None
+    #: Bind a non-loopback address without any token (refused unless set).
+    allow_open_bind: bool = False
+    #: TLS for the HTTP API (PEM files; uvicorn's ssl_*); a CA bundle to verify an https peer.
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
+    peer_ca_file: Path | None = None
+    #: Largest peer snapshot accepted at bootstrap (bytes).
+    peer_max_bytes: int = Field(16 * 1024**3, ge=1)
+    #: Serve /docs and /openapi.json.
+    http_docs: bool = False
+    #: HTTP limits (kvstream.replica.http_limits): request body cap (bytes, checked
+    #: before parsing), time to send the headers and the body, open connections,
+    #: routing decisions computed at once (off the event loop), /v1/snapshot streams.
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(1000, ge=2)
+    route_threads: int = Field(4, ge=1)
+    snapshot_streams: int = Field(2, ge=1)
     snapshot_dir: Path | None = None
     snapshot_every_records: int = Field(200_000, ge=0)
     snapshot_every_s: float = Field(60.0, ge=0)

@@ -1,10 +1,14 @@
-"""Active-sequence ops (kvstream.router.active) ↔ ``kvstream.active.ActiveOp`` records."""
+"""Active-sequence ops (kvstream.router.active) ↔ ``kvstream.active.ActiveOp`` records.
+
+Ops carry scoped request ids (kvstream.replica.request_ids); records carry the client's
+id next to the replica id, and decoding scopes it again by that replica id."""
 
 from __future__ import annotations
 
 from kvstream.events.codec import AvroCodec, pack_u64, unpack_u64
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import U64_MAX
+from kvstream.replica.request_ids import is_safe, scoped, unscoped
 from kvstream.router.active import ActiveOp, AddRequest, FreeRequest, PrefillDone
 
 ACTIVE_OP = "kvstream.active.ActiveOp"
@@ -18,7 +22,7 @@ class ActiveOpCodec:
     def encode(self, replica_id: str, op: ActiveOp) -> bytes:
         record: dict[str, object] = {
             "replica_id": replica_id,
-            "request_id": op.request_id,
+            "request_id": unscoped(op.request_id),
             "timestamp_ms": int(op.timestamp * 1000),
             "worker_id": 0,
             "dp_rank": 0,
@@ -47,6 +51,9 @@ class ActiveOpCodec:
             raise DecodeError(f"expected a {ACTIVE_OP} record, got {name}")
         ts = r["timestamp_ms"] / 1000
         kind = r["kind"]
+        if not is_safe(r["request_id"]):
+            raise DecodeError(f"active op with an unsafe request id {r['request_id'][:140]!r}")
+        r["request_id"] = scoped(r["replica_id"], r["request_id"])
         if kind == "ADD":
             if r["isl"] < 0 or r["overlap_tokens"] < 0 or not 0 <= r["dp_rank"] < 2**32:
                 raise DecodeError("active op with a negative length or a bad dp_rank")

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import threading
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
 import uvicorn
+from pydantic import ValidationError
 
 from kvstream.logs import get_logger
+from kvstream.replica.auth import TokenError, Tokens, read_token
+from kvstream.replica.errors import ReplicaError
+from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
-from kvstream.settings import Settings, SettingsError, load_settings
+from kvstream.settings import ReplicaSettings, Settings, SettingsError, load_settings
 
 log = get_logger(__name__)
 
@@ -33,10 +38,56 @@ def router_config(settings: Settings) -> RouterConfig:
     )
 
 
+def tokens(settings: Settings) -> Tokens:
+    """The tokens of each scope, from values (env, TOML) or files; TokenError if one is
+    empty or unreadable."""
+    r = settings.replica
+    return Tokens.build(
+        read_token(r.token, r.token_file, "token"),
+        read_token(r.client_token, r.client_token_file, "client_token"),
+        read_token(r.operator_token, r.operator_token_file, "operator_token"),
+        read_token(r.peer_token, r.peer_token_file, "peer_token"),
+    )
+
+
 def replica_options(settings: Settings) -> ReplicaOptions:
     r = settings.replica.model_dump()
-    # Replicas of one deployment share the token, so a peer's is this one's.
-    return ReplicaOptions(**_pick(ReplicaOptions, r), peer_token=r["token"])
+    # Replicas of one deployment share their tokens, so the peer accepts this one's.
+    rs = settings.replica
+    peer_token = read_token(rs.peer_token, rs.peer_token_file, "peer_token") or read_token(
+        rs.token, rs.token_file, "token"
+    )
+    return ReplicaOptions(**_pick(ReplicaOptions, r | {"peer_token": peer_token}))
+
+
+def http_limits(settings: Settings) -> HttpLimits:
+    return HttpLimits(**_pick(HttpLimits, settings.replica.model_dump()))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_config(app: object, settings: Settings, limits: HttpLimits, on_reject) -> uvicorn.Config:
+    """uvicorn with the HTTP limits (kvstream.replica.http_limits) and TLS when set."""
+    r = settings.replica
+    if (r.tls_certfile is None) != (r.tls_keyfile is None):
+        raise click.ClickException("TLS needs both tls_certfile and tls_keyfile")
+    limits = replace(limits, max_connections=fit_connections(limits.max_connections))
+    return uvicorn.Config(
+        app, host=r.host, port=r.port, log_level="warning",
+        http=guarded_protocol(limits, on_reject),
+        # A second fence behind the protocol's own cap (which evicts before refusing).
+        limit_concurrency=limits.max_connections + 1,
+        timeout_keep_alive=5,
+        ssl_certfile=str(r.tls_certfile) if r.tls_certfile else None,
+        ssl_keyfile=str(r.tls_keyfile) if r.tls_keyfile else None,
+    )
 
 
 @click.command("router")
@@ -46,7 +97,9 @@ def replica_options(settings: Settings) -> ReplicaOptions:
 @click.option("--port", type=int, help="HTTP port [8470].")
 @click.option("--snapshot-dir", type=click.Path(file_okay=False, path_type=Path), help="Where snapshots live.")
 @click.option("--peer", "peer_url", help="Base URL of a peer replica to bootstrap from.")
-@click.option("--token", help="Bearer token the HTTP API requires.")
+@click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), help="File holding the bearer token for every scope.")
+@click.option("--allow-open-bind", is_flag=True, default=None, help="Bind a non-loopback address without any token.")
 def router(
     config_file: str | None,
     bootstrap: str | None,
@@ -55,31 +108,56 @@ def router(
     snapshot_dir: Path | None,
     peer_url: str | None,
     token: str | None,
+    token_file: Path | None,
+    allow_open_bind: bool | None,
 ) -> None:
-    """Run a router replica: fold kvstream.events, snapshot it, serve routing over HTTP."""
+    """Run a router replica: fold kvstream.events, snapshot it, serve routing over HTTP.
+
+    Tokens by scope (client, operator, peer), TLS and the HTTP limits are settings
+    ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); see docs/OPERATIONS.md."""
     try:
         settings = load_settings(config_file, bootstrap=bootstrap)
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
-    flags = {"host": host, "port": port, "snapshot_dir": snapshot_dir, "peer_url": peer_url, "token": token}
-    settings.replica = settings.replica.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    flags = {
+        "host": host, "port": port, "snapshot_dir": snapshot_dir, "peer_url": peer_url, "token": token,
+        "token_file": token_file, "allow_open_bind": allow_open_bind,
+    }
+    try:
+        settings.replica = ReplicaSettings.model_validate(
+            settings.replica.model_dump() | {k: v for k, v in flags.items() if v is not None}
+        )
+        scoped_tokens = tokens(settings)
+        options = replica_options(settings)
+    except (ValidationError, TokenError) as exc:
+        raise click.ClickException(str(exc)) from None
+    r = settings.replica
+    if scoped_tokens.open and not is_loopback(r.host) and not r.allow_open_bind:
+        raise click.ClickException(
+            f"refusing to serve {r.host} (not loopback) without a token: set KVSTREAM_REPLICA__TOKEN "
+            "or token_file (or per scope: client_, operator_, peer_token), or --allow-open-bind"
+        )
     from kvstream.replica.service import create_app
 
+    limits = http_limits(settings)
     gave_up = threading.Event()
 
     def on_fatal(_reason: str) -> None:
         gave_up.set()
         os.kill(os.getpid(), signal.SIGTERM)  # stop serving; the exit status says why
 
-    replica = Replica(settings, replica_options(settings), router_config(settings), on_fatal=on_fatal)
+    try:
+        replica = Replica(settings, options, router_config(settings), on_fatal=on_fatal)
+    except ReplicaError as exc:
+        raise click.ClickException(f"cannot start the replica: {exc}") from None
+    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs)
+    server = uvicorn.Server(
+        server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
+    )
     try:
         replica.start()
     except Exception as exc:
         raise click.ClickException(f"cannot start the replica: {exc}") from None
-    app = create_app(replica, settings.replica.token)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.replica.host, port=settings.replica.port, log_level="warning")
-    )
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     log.info("serving", replica=replica.replica_id, host=settings.replica.host, port=settings.replica.port)
     try:

@@ -37,7 +37,19 @@ class ReplicaMetrics:
             "kvstream_snapshot_loaded_blocks", "Blocks restored from a snapshot at start", registry=r
         )
         self.snapshot_fallbacks = Counter(
-            "kvstream_snapshot_fallbacks", "Snapshot generations skipped as invalid at start", registry=r
+            "kvstream_snapshot_fallbacks",
+            "Snapshots not used at start, by what was skipped: a generation (then the previous one "
+            "is tried), the whole store (moved aside or unusable), or all of it (a full replay)",
+            ["skipped"], registry=r,
+        )
+        self.snapshot_write_failures = Counter(
+            "kvstream_snapshot_write_failures", "Snapshot generations abandoned on a write error (retried)", registry=r
+        )
+        self.http_rejected = Counter(
+            "kvstream_http_rejected",
+            "Connections or requests refused by a limit (body_too_large, body_timeout, header_timeout, "
+            "connections, busy)",
+            ["limit"], registry=r,
         )
         self.route_latency = Histogram(
             "kvstream_route_latency_seconds",

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from confluent_kafka import (
@@ -51,7 +51,8 @@ from kvstream.replica.errors import RecoveryError
 from kvstream.replica.fold import LogFold
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
-from kvstream.replica.snapshot import SnapshotStore
+from kvstream.replica.request_ids import scoped
+from kvstream.replica.snapshot import SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.supervisor import RestartPolicy, Supervisor
 from kvstream.replica.ticks import TickCodec, Ticker, is_tick
@@ -97,8 +98,11 @@ class ReplicaOptions:
     commit_interval_s: float = 1.0
     #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
     peer_url: str | None = None
-    #: Bearer token of the peer's HTTP API.
+    #: Bearer token of the peer's HTTP API (with its peer scope).
     peer_token: str | None = None
+    #: Largest peer snapshot accepted (bytes); CA bundle that verifies an https peer.
+    peer_max_bytes: int = 16 * 1024**3
+    peer_ca_file: Path | None = None
     #: A record (value, key and headers) larger than this is referenced in the DLQ, not
     #: copied: far below the producer's message.max.bytes (1 MB by default).
     dlq_max_bytes: int = 256 * 1024
@@ -136,7 +140,10 @@ class Replica:
         self.metrics = ReplicaMetrics()
         self.lock = threading.RLock()
         self.events_topic = settings.topics.name("events")
-        self.store = SnapshotStore(self.options.snapshot_dir) if self.options.snapshot_dir else None
+        self.store: SnapshotStore | None = None
+        self._store_note: str | None = None
+        if self.options.snapshot_dir:
+            self.store, self._store_note = open_store(Path(self.options.snapshot_dir))
         self.snapshotter: Snapshotter | None = None
         self._stop = threading.Event()
         o = self.options
@@ -191,8 +198,8 @@ class Replica:
         self._stop.set()
         for t in self.supervisor.threads:
             t.join(timeout=30)
-        if self.snapshotter is not None:
-            self.snapshotter.close(final=True)
+        if self.snapshotter is not None and not self.snapshotter.close(final=True):
+            log.error("stopped without a final snapshot: the next start replays more", replica=self.replica_id)
         self._producer.flush(10)
         # Release the clients now: a stopped replica must not keep dialling the broker.
         self._producer = None  # type: ignore[assignment]
@@ -247,13 +254,19 @@ class Replica:
         self.partition_count = len(tmd.partitions)
         self.topic_id = _topic_id(admin, self.events_topic)
         loaded = None
+        if self._store_note is not None:
+            self.metrics.snapshot_fallbacks.labels(skipped="store").inc()
+            self._note(f"snapshot store unusable: {self._store_note}")
         if self.store is not None:
-            if self.store.head() is None and self.options.peer_url:
+            if not self.store.candidates()[0] and self.options.peer_url:
                 self._bootstrap_from_peer()
             loaded, skipped = self.store.load_latest()
             for reason in skipped:
-                self.metrics.snapshot_fallbacks.inc()
+                self.metrics.snapshot_fallbacks.labels(skipped="generation").inc()
                 self._note(f"snapshot skipped: {reason}")
+            if loaded is None and skipped:
+                self.metrics.snapshot_fallbacks.labels(skipped="all").inc()
+                self._note("no snapshot generation is usable: full replay")
         # Watermarks come from a consumer that never fetches: on the fetching one, each
         # query waits behind a long-poll fetch and stalls ingest.
         self._watermarks = Consumer(consumer_config(self.settings))
@@ -334,7 +347,10 @@ class Replica:
 
         assert self.store is not None and self.options.peer_url
         try:
-            gen = fetch_peer_snapshot(self.options.peer_url, self.store, self.options.peer_token)
+            gen = fetch_peer_snapshot(
+                self.options.peer_url, self.store, self.options.peer_token,
+                max_bytes=self.options.peer_max_bytes, ca_file=self.options.peer_ca_file,
+            )
             self._note(f"bootstrapped from peer {self.options.peer_url} (generation {gen})")
         except Exception as exc:  # any failure means: replay from the start instead
             self._note(f"peer bootstrap from {self.options.peer_url} failed: {exc}")
@@ -633,22 +649,25 @@ class Replica:
         cache_salt: str | None = None,
         mm: Sequence[MmSpan] = (),
     ) -> RouteDecision:
+        # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
+        # request with the same client id is another request.
+        key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
             decision = self.router.find_best_match(
-                token_ids, lora_name, request_id, query_only, overrides, cache_salt=cache_salt, mm=mm
+                token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm
             )
         if decision.op is not None:
             self._share(decision.op)
-        return decision
+        return replace(decision, request_id=request_id)
 
     def prefill_done(self, request_id: str) -> None:
         with self.lock:
-            op = self.router.prefill_done(request_id)
+            op = self.router.prefill_done(scoped(self.replica_id, request_id))
         self._share(op)
 
     def free(self, request_id: str) -> None:
         with self.lock:
-            op = self.router.free(request_id)
+            op = self.router.free(scoped(self.replica_id, request_id))
         self._share(op)
 
 

@@ -17,16 +17,25 @@ Layout (raw keys, big-endian ints so that keys sort by worker and generation):
 
 A generation becomes visible only when its meta and ``head`` are written in one atomic
 WriteBatch; blobs referenced by neither the newest nor the previous generation are then
-deleted. On load, a generation whose meta or any blob fails its checksum is skipped for
-the previous one.
+deleted. Each stored blob starts with a *stamp*, a digest of the worker's fold position
+when it was captured (worker id, epoch, last event ids, last seen): a meta that points a
+worker at a blob of another position (an old blob after a failed write) fails the check.
+
+Snapshots degrade to slower, never to down: on load, a generation whose meta or any blob
+fails its checksum or stamp, or that RocksDB cannot read ("Corruption: ..."), is skipped
+for the previous one, then for none (a full replay); a directory RocksDB cannot even open
+is moved aside (:func:`open_store`). Every RocksDB error is a :class:`SnapshotError`.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import orjson
@@ -34,13 +43,20 @@ import xxhash
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstream.events.model import Tier
+from kvstream.logs import get_logger
 from kvstream.router.index import PackedBlocks, WorkerBlocks
 from kvstream.replica.errors import SnapshotError
 
+log = get_logger(__name__)
+
 CHUNK_BYTES = 64 * 1024
+#: Version of the layout; a generation of another version is skipped (replayed instead).
+FORMAT = 2
+STAMP_BYTES = 8
 _HEAD = b"head"
 _TIERS = list(Tier)
 _U64 = np.dtype("<u8")
+_T = TypeVar("_T")
 
 
 # -- worker blobs -----------------------------------------------------------------------
@@ -75,6 +91,14 @@ def packed_worker(blob: bytes) -> list[PackedBlocks]:
     return parts
 
 
+def stamp(worker: int, epoch: int, last_ids: Mapping[int, int], last_seen_ms: int) -> bytes:
+    """The fold position a blob was captured at, as a digest (the first bytes of a
+    stored blob): a meta whose worker record differs did not capture this blob."""
+    ids = sorted(last_ids.items())
+    raw = struct.pack(f">QQqI{2 * len(ids)}Q", worker, epoch, last_seen_ms, len(ids), *(x for kv in ids for x in kv))
+    return xxhash.xxh3_64_digest(raw)
+
+
 def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
     """The parts of a worker blob, hashes as lists of ints."""
     return [
@@ -107,6 +131,9 @@ class WorkerMeta:
     last_ids: dict[int, int]
     blob: BlobRef
 
+    def stamp(self, worker: int) -> bytes:
+        return stamp(worker, self.epoch, self.last_ids, self.last_seen_ms)
+
 
 @dataclass(slots=True)
 class PartitionMeta:
@@ -129,11 +156,16 @@ class SnapshotMeta:
     def next_offsets(self) -> dict[int, int]:
         return {p: m.next_offset for p, m in sorted(self.partitions.items())}
 
+    def workers(self) -> Iterator[tuple[int, WorkerMeta]]:
+        for pm in self.partitions.values():
+            yield from pm.workers.items()
+
     def blocks(self) -> int:
-        return sum(w.blob.nbytes for p in self.partitions.values() for w in p.workers.values()) // 16
+        return sum(w.blob.nbytes for _, w in self.workers()) // 16
 
     def to_bytes(self) -> bytes:
         doc = {
+            "format": FORMAT,
             "gen": self.gen,
             "topic": self.topic,
             "topic_id": self.topic_id,
@@ -167,6 +199,8 @@ class SnapshotMeta:
             raise SnapshotError("snapshot meta fails its checksum")
         try:
             doc = orjson.loads(raw[8:])
+            if doc.get("format") != FORMAT:
+                raise SnapshotError(f"snapshot format {doc.get('format', 1)} is not {FORMAT} (an older version wrote it)")
             meta = cls(
                 doc["gen"], doc["topic"], doc["topic_id"], doc["partition_count"], doc["created_ms"],
                 counters=doc.get("counters", {}),
@@ -178,7 +212,7 @@ class SnapshotMeta:
                         wd["epoch"], wd["lease_ms"], wd["last_seen_ms"],
                         {int(r): i for r, i in wd["last_ids"].items()}, BlobRef(*wd["blob"]),
                     )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"malformed snapshot meta: {exc}") from None
         return meta
 
@@ -194,6 +228,36 @@ def _meta_key(gen: int) -> bytes:
     return b"m" + struct.pack(">Q", gen)
 
 
+class BlobWriter:
+    """Writes one worker blob chunk by chunk (bounded memory, e.g. from a peer's stream);
+    invisible until the generation commits."""
+
+    def __init__(self, store: SnapshotStore, worker: int, gen: int) -> None:
+        self._store, self._worker, self._gen = store, worker, gen
+        self._buf = bytearray()
+        self._chunk = 0
+        self._nbytes = 0
+        self._hash = xxhash.xxh3_64()
+
+    def write(self, data: bytes) -> None:
+        self._hash.update(data)
+        self._nbytes += len(data)
+        self._buf += data
+        while len(self._buf) >= CHUNK_BYTES:
+            self._put(bytes(self._buf[:CHUNK_BYTES]))
+            del self._buf[:CHUNK_BYTES]
+
+    def _put(self, chunk: bytes) -> None:
+        key = _blob_key(self._worker, self._gen, self._chunk)
+        self._store._call(f"writing worker {self._worker}'s blob", lambda: self._store._db.put(key, chunk))
+        self._chunk += 1
+
+    def finish(self) -> BlobRef:
+        if self._buf or not self._chunk:
+            self._put(bytes(self._buf))
+        return BlobRef(self._gen, self._nbytes, self._hash.intdigest())
+
+
 class SnapshotStore:
     """A directory holding a replica's snapshot generations."""
 
@@ -201,43 +265,116 @@ class SnapshotStore:
         """``read_only`` opens a store that a running replica holds (for inspection and
         replay); such a store cannot be written."""
         self.path = Path(path)
-        try:
-            opts = Options(raw_mode=True)
-            if read_only:
-                self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                opts.create_if_missing(True)
-                self._db = Rdict(str(self.path), opts)
-        except Exception as exc:  # rocksdict raises plain Exceptions for I/O problems
-            raise SnapshotError(f"cannot open snapshot store {self.path}: {exc}") from None
+        self.read_only = read_only
+        #: Serialises reopen() against readers of other threads (the HTTP snapshot stream).
+        self._lock = threading.RLock()
+        self._closed = False
+        self._db: Rdict | None = self._open()
         self._sync = WriteOptions()
         self._sync.sync = True
 
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run a RocksDB call (under the lock, so never against a database that reopen()
+        is replacing); its errors (plain Exceptions from rocksdict: "Corruption: block
+        checksum mismatch", "IO error: No space left on device", "Writer has previous
+        error") become SnapshotErrors that say what was being done."""
+        with self._lock:
+            try:
+                if self._db is None:
+                    if self._closed:
+                        raise SnapshotError("the snapshot store is closed")
+                    self._db = self._open()  # a reopen() failed (still no space): again
+                return fn()
+            except SnapshotError:
+                raise
+            except Exception as exc:
+                raise SnapshotError(f"{what}: {exc}") from None
+
+    def _open(self) -> Rdict:
+        try:
+            opts = Options(raw_mode=True)
+            # Verify every block read (the default in RocksDB; said so to keep it so).
+            opts.set_paranoid_checks(True)
+            if self.read_only:
+                return Rdict(str(self.path), opts, access_type=AccessType.read_only())
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            opts.create_if_missing(True)
+            return Rdict(str(self.path), opts)
+        except Exception as exc:  # rocksdict raises plain Exceptions for I/O problems
+            raise SnapshotError(f"cannot open snapshot store {self.path}: {exc}") from None
+
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            self._closed = True
+            db, self._db = self._db, None
+            if db is None:
+                return
+            try:
+                db.close()
+            except Exception as exc:  # a failed flush at close loses nothing committed
+                log.warning("snapshot store close failed", path=str(self.path), error=str(exc))
+
+    def reopen(self) -> None:
+        """Close and open the database again: after a failed write (disk full) RocksDB
+        refuses every later write ("Writer has previous error") until reopened."""
+        with self._lock:
+            self.close()
+            self._closed = False
+            self._db = self._open()
 
     # -- writing --------------------------------------------------------------------
 
     def head(self) -> tuple[int, int] | None:
         """(newest, previous) generation numbers, or None when nothing was committed."""
-        raw = self._db.get(_HEAD)
+        raw = self._call("reading the head", lambda: self._db.get(_HEAD))
         if raw is None:
             return None
+        if len(raw) != 16:
+            raise SnapshotError("the head record is malformed")
         newest, prev = struct.unpack(">QQ", raw)
         return newest, prev
 
     def next_gen(self) -> int:
-        head = self.head()
-        return head[0] + 1 if head else 1
+        try:
+            head = self.head()
+        except SnapshotError:
+            head = None
+        return max([head[0] if head else 0, *self.meta_gens()]) + 1
+
+    def meta_gens(self) -> list[int]:
+        """Generations that have a meta key, newest first (fallback when ``head`` is
+        unreadable); [] when even the keys cannot be listed."""
+        def scan() -> list[int]:
+            gens = []
+            for key in self._db.keys(from_key=b"m"):
+                if not key.startswith(b"m"):
+                    break
+                if len(key) == 9:
+                    gens.append(struct.unpack(">Q", key[1:])[0])
+            return sorted(gens, reverse=True)
+        try:
+            return self._call("listing generations", scan)
+        except SnapshotError:
+            return []
+
+    def blob_writer(self, worker: int, gen: int) -> BlobWriter:
+        return BlobWriter(self, worker, gen)
 
     def write_blob(self, worker: int, gen: int, blob: bytes) -> BlobRef:
-        """Write a worker's blob for generation ``gen`` (invisible until commit)."""
+        """Write a worker's stored blob (stamp + packed blocks) for generation ``gen``
+        (invisible until commit)."""
         wb = WriteBatch(raw_mode=True)
         for i, start in enumerate(range(0, max(len(blob), 1), CHUNK_BYTES)):
             wb.put(_blob_key(worker, gen, i), blob[start : start + CHUNK_BYTES])
-        self._db.write(wb)
+        self._call(f"writing worker {worker}'s blob", lambda: self._db.write(wb))
         return BlobRef(gen, len(blob), xxhash.xxh3_64_intdigest(blob))
+
+    def discard_blob(self, worker: int, gen: int) -> None:
+        """Delete a blob written for a generation that will not be committed."""
+        self._call(
+            f"discarding worker {worker}'s blob",
+            lambda: self._db.delete_range(_blob_key(worker, gen, 0), _blob_key(worker, gen + 1, 0)),
+        )
 
     def commit(self, meta: SnapshotMeta, prev: int) -> None:
         """Make ``meta``'s generation the newest, atomically, with ``prev`` (the last
@@ -245,8 +382,11 @@ class SnapshotStore:
         wb = WriteBatch(raw_mode=True)
         wb.put(_meta_key(meta.gen), meta.to_bytes())
         wb.put(_HEAD, struct.pack(">QQ", meta.gen, prev))
-        self._db.write(wb, self._sync)
-        self._collect(keep=(meta.gen, prev))
+        self._call(f"committing generation {meta.gen}", lambda: self._db.write(wb, self._sync))
+        try:
+            self._collect(keep=(meta.gen, prev))
+        except SnapshotError as exc:  # the commit stands; the next one collects
+            log.warning("snapshot collection failed", error=str(exc))
 
     def _collect(self, keep: tuple[int, int]) -> None:
         """Delete metas and blobs that neither kept generation references."""
@@ -254,78 +394,144 @@ class SnapshotStore:
         for gen in keep:
             meta = self._try_meta(gen)
             if meta is not None:
-                for pm in meta.partitions.values():
-                    live.update((w, wm.blob.gen) for w, wm in pm.workers.items())
-        wb = WriteBatch(raw_mode=True)
-        for key in self._db.keys(from_key=b"m"):
-            if not key.startswith(b"m"):
-                break
-            if struct.unpack(">Q", key[1:])[0] not in keep:
-                wb.delete(key)
-        for key in self._db.keys(from_key=b"w"):
-            if not key.startswith(b"w"):
-                break
-            worker, gen, _ = struct.unpack(">QQI", key[1:])
-            if (worker, gen) not in live and gen <= max(keep):
-                wb.delete(key)
-        if wb.len():
-            self._db.write(wb)
+                live.update((w, wm.blob.gen) for w, wm in meta.workers())
+
+        def collect() -> None:
+            wb = WriteBatch(raw_mode=True)
+            for key in self._db.keys(from_key=b"m"):
+                if not key.startswith(b"m"):
+                    break
+                if struct.unpack(">Q", key[1:])[0] not in keep:
+                    wb.delete(key)
+            for key in self._db.keys(from_key=b"w"):
+                if not key.startswith(b"w"):
+                    break
+                worker, gen, _ = struct.unpack(">QQI", key[1:])
+                if (worker, gen) not in live and gen <= max(keep):
+                    wb.delete(key)
+            if wb.len():
+                self._db.write(wb)
+
+        self._call("collecting old generations", collect)
 
     # -- reading --------------------------------------------------------------------
 
     def _try_meta(self, gen: int) -> SnapshotMeta | None:
-        raw = self._db.get(_meta_key(gen)) if gen else None
-        if raw is None:
-            return None
         try:
-            return SnapshotMeta.from_bytes(raw)
+            return self.meta(gen) if gen else None
         except SnapshotError:
             return None
 
-    def read_blob(self, worker: int, ref: BlobRef) -> bytes:
-        chunks = []
-        for i in range(max(1, -(-ref.nbytes // CHUNK_BYTES))):
-            chunk = self._db.get(_blob_key(worker, ref.gen, i))
-            if chunk is None:
-                raise SnapshotError(f"worker {worker}: chunk {i} of generation {ref.gen} is missing")
-            chunks.append(chunk)
-        blob = b"".join(chunks)
-        if len(blob) != ref.nbytes or xxhash.xxh3_64_intdigest(blob) != ref.checksum:
-            raise SnapshotError(f"worker {worker}: blob of generation {ref.gen} fails its checksum")
-        return blob
-
-    def load(self, gen: int) -> tuple[SnapshotMeta, dict[int, bytes]]:
-        """Generation ``gen`` with every worker blob verified, or SnapshotError."""
-        raw = self._db.get(_meta_key(gen))
+    def meta(self, gen: int) -> SnapshotMeta:
+        raw = self._call(f"reading generation {gen}'s meta", lambda: self._db.get(_meta_key(gen)))
         if raw is None:
             raise SnapshotError(f"generation {gen} has no meta")
         meta = SnapshotMeta.from_bytes(raw)
-        blobs = {
-            w: self.read_blob(w, wm.blob)
-            for pm in meta.partitions.values()
-            for w, wm in pm.workers.items()
-        }
+        if meta.gen != gen:
+            raise SnapshotError(f"generation {gen}'s meta says generation {meta.gen}")
+        return meta
+
+    def blob_chunks(self, worker: int, ref: BlobRef) -> Iterator[bytes]:
+        """A stored blob's chunks, in order; SnapshotError (after the last chunk, at the
+        latest) when a chunk is missing or the whole fails its length or checksum."""
+        h = xxhash.xxh3_64()
+        n = 0
+        for i in range(max(1, -(-ref.nbytes // CHUNK_BYTES))):
+            key = _blob_key(worker, ref.gen, i)
+            chunk = self._call(f"worker {worker}: reading generation {ref.gen}", lambda: self._db.get(key))
+            if chunk is None:
+                raise SnapshotError(f"worker {worker}: chunk {i} of generation {ref.gen} is missing")
+            h.update(chunk)
+            n += len(chunk)
+            if n > ref.nbytes:
+                break
+            yield chunk
+        if n != ref.nbytes or h.intdigest() != ref.checksum:
+            raise SnapshotError(f"worker {worker}: blob of generation {ref.gen} fails its checksum")
+
+    def read_blob(self, worker: int, ref: BlobRef) -> bytes:
+        """A stored blob, checksum verified (stamp included)."""
+        return b"".join(self.blob_chunks(worker, ref))
+
+    def load(self, gen: int) -> tuple[SnapshotMeta, dict[int, bytes]]:
+        """Generation ``gen`` with every worker blob verified (checksum and stamp), or
+        SnapshotError; the blobs are the packed blocks (stamps removed)."""
+        meta = self.meta(gen)
+        blobs = {}
+        for w, wm in meta.workers():
+            blob = self.read_blob(w, wm.blob)
+            if blob[:STAMP_BYTES] != wm.stamp(w):
+                raise SnapshotError(
+                    f"worker {w}: the blob of generation {wm.blob.gen} was captured at another "
+                    f"position of the log than generation {gen} records (a stale blob)"
+                )
+            blobs[w] = blob[STAMP_BYTES:]
         return meta, blobs
+
+    def candidates(self) -> tuple[list[int], list[str]]:
+        """Generations to try, newest first: the head's, or (head unreadable) every meta."""
+        try:
+            head = self.head()
+            return [g for g in head or () if g], []
+        except SnapshotError as exc:
+            return self.meta_gens(), [f"head: {exc}"]
 
     def load_latest(self) -> tuple[tuple[SnapshotMeta, dict[int, bytes]] | None, list[str]]:
         """The newest generation that verifies, else the previous one, else None; and why
         each skipped generation was skipped."""
-        skipped: list[str] = []
-        for gen in self.head() or ():
-            if not gen:
-                continue
+        gens, skipped = self.candidates()
+        for gen in gens:
             try:
                 return self.load(gen), skipped
             except SnapshotError as exc:
                 skipped.append(f"generation {gen}: {exc}")
         return None, skipped
 
+    def latest_meta(self) -> tuple[SnapshotMeta | None, list[str]]:
+        """The newest generation whose meta verifies (its blobs unread), for streaming."""
+        gens, skipped = self.candidates()
+        for gen in gens:
+            try:
+                return self.meta(gen), skipped
+            except SnapshotError as exc:
+                skipped.append(f"generation {gen}: {exc}")
+        return None, skipped
+
     def raw_items(self) -> Iterator[tuple[bytes, bytes]]:
         """Every key/value (for inspection and tests that damage a snapshot)."""
+        assert self._db is not None
         yield from self._db.items()
 
     def put_raw(self, key: bytes, value: bytes) -> None:
-        self._db.put(key, value)
+        self._call("writing a raw key", lambda: self._db.put(key, value))
 
     def workers_of(self, meta: SnapshotMeta) -> Mapping[int, WorkerMeta]:
-        return {w: wm for pm in meta.partitions.values() for w, wm in pm.workers.items()}
+        return dict(meta.workers())
+
+
+def open_store(path: Path) -> tuple[SnapshotStore | None, str | None]:
+    """The writable store at ``path`` and, when it could not be used as it was, why.
+    A store that RocksDB cannot open (a damaged MANIFEST, a deleted or truncated file) is
+    moved aside to ``<path>.broken-<time>`` (kept for inspection) and a new one is made:
+    the replica replays instead of refusing to start. If even that fails (a read-only or
+    full file system), None: the replica runs without snapshots. A store locked by
+    another process is a SnapshotError (two replicas must not share a directory)."""
+    try:
+        return SnapshotStore(path), None
+    except SnapshotError as exc:
+        reason = str(exc)
+    if "/LOCK" in reason:
+        # Another process holds it (two replicas on one directory): a configuration
+        # error, not damage; moving it aside would take it from under that process.
+        raise SnapshotError(f"{reason} (is another replica using this snapshot directory?)")
+    if path.exists():
+        aside = path.with_name(f"{path.name}.broken-{int(time.time() * 1000)}")
+        try:
+            path.rename(aside)
+            reason += f"; moved aside to {aside}"
+        except OSError as exc:
+            return None, f"{reason}; cannot move it aside ({exc.strerror}): running without snapshots"
+    try:
+        return SnapshotStore(path), reason
+    except SnapshotError as exc:
+        return None, f"{reason}; {exc}: running without snapshots"

@@ -33,7 +33,7 @@ def inspect(snapshot_dir: Path, as_json: bool) -> None:
     store = _open(snapshot_dir)
     try:
         loaded, skipped = store.load_latest()
-        head = store.head()
+        gens = store.candidates()[0]
     finally:
         store.close()
     if loaded is None:
@@ -41,7 +41,7 @@ def inspect(snapshot_dir: Path, as_json: bool) -> None:
     meta, _ = loaded
     doc = {
         "generation": meta.gen,
-        "head": list(head) if head else None,
+        "head": gens,
         "skipped": skipped,
         "topic": meta.topic,
         "topic_id": meta.topic_id,
@@ -62,23 +62,25 @@ def inspect(snapshot_dir: Path, as_json: bool) -> None:
 @snapshot.command("verify")
 @_dir
 def verify(snapshot_dir: Path) -> None:
-    """Check every checksum of the newest and the previous generation; exit 1 if the
-    newest is not intact."""
+    """Check every checksum and stamp of the newest and the previous generation; exit 1,
+    with the reason, if the newest is not intact (a replica would fall back)."""
     store = _open(snapshot_dir)
     try:
-        head = store.head()
-        if head is None:
-            raise click.ClickException("the directory holds no committed snapshot")
-        bad = False
-        for gen in head:
-            if not gen:
-                continue
+        gens, problems = store.candidates()
+        for p in problems:
+            click.echo(f"BROKEN: {p}")
+        if not gens:
+            raise click.ClickException(
+                "the directory holds no committed snapshot" + (" that can be read" if problems else "")
+            )
+        bad = bool(problems)
+        for gen in gens:
             try:
                 meta, blobs = store.load(gen)
                 click.echo(f"generation {gen}: ok ({len(blobs)} workers, {meta.blocks()} blocks)")
             except SnapshotError as exc:
                 click.echo(f"generation {gen}: BROKEN: {exc}")
-                bad = bad or gen == head[0]
+                bad = bad or gen == gens[0]
     finally:
         store.close()
     if bad:

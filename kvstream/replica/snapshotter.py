@@ -6,6 +6,12 @@ on it, exporting only the workers changed since the last snapshot) and hands it 
 writer thread; after the last partition the writer commits the generation atomically.
 Since every worker lives on one partition, each captured part is consistent with its
 own offset, whatever the other partitions did in between.
+
+A failed write (disk full, an I/O error) abandons its generation whole: the store is
+reopened (RocksDB refuses every write after one failed until then), the next generation
+rewrites every worker (the failed one had taken them off the dirty set, so pointing at
+older blobs would lose their changes) and is retried after a backoff even if no record
+arrives. Serving never depends on it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import threading
 import time
 
 from kvstream.logs import get_logger
+from kvstream.replica.errors import SnapshotError
 from kvstream.replica.fold import LogFold, WorkerLog
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.snapshot import (
@@ -30,6 +37,9 @@ from kvstream.replica.snapshot import (
 log = get_logger(__name__)
 
 _PENDING = BlobRef(0, 0, 0)  # filled in by the writer thread
+#: Backoff between retries of a failed generation (doubles up to the maximum), seconds.
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 30.0
 
 
 class Snapshotter:
@@ -62,6 +72,13 @@ class Snapshotter:
         self._todo: list[int] = []
         self._started = 0.0
         self._forced = False
+        #: Set by the writer after a failed generation: the next one rewrites every
+        #: worker, no earlier than ``_retry_at`` (monotonic).
+        self._failed = threading.Event()
+        self._retry_at = 0.0
+        self._backoff = RETRY_MIN_S
+        self._bad_gen = 0
+        self.failures = 0
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._committed = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
@@ -76,6 +93,8 @@ class Snapshotter:
     def due(self) -> bool:
         if self._forced:
             return True
+        if self._failed.is_set():
+            return time.monotonic() >= self._retry_at
         if self.every_records and self._records >= self.every_records:
             return True
         return bool(self.every_s) and self._records > 0 and time.monotonic() - self._last_commit >= self.every_s
@@ -108,7 +127,12 @@ class Snapshotter:
     def _begin(self) -> None:
         # The writer may not have committed the previous generation yet: count locally.
         gen = max(self.store.next_gen(), (self.base.gen + 1) if self.base else 1, self._last_gen + 1)
-        self._last_gen = gen
+        with self._committed:  # against _write_failed: this generation is full or abandoned
+            self._last_gen = gen
+            full = self._failed.is_set()
+            self._failed.clear()
+        if full:
+            self.fold.dirty.update(self.fold.workers)
         self._meta = SnapshotMeta(
             gen, self.topic, self.topic_id, self.partition_count, int(time.time() * 1000),
             counters=dict(self.fold.counters) | dict(self.fold.router.index.counters),
@@ -134,13 +158,12 @@ class Snapshotter:
             if wlog.partition != p:
                 continue
             ref = None if wid in fold.dirty else getattr(base_workers.get(wid), "blob", None)
-            if ref is None:
-                blobs.append((wid, pack_worker(export(wid))))
-                fold.dirty.discard(wid)
-                ref = _PENDING
-            pm.workers[wid] = WorkerMeta(
-                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref
+            wm = pm.workers[wid] = WorkerMeta(
+                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref or _PENDING
             )
+            if ref is None:
+                blobs.append((wid, wm.stamp(wid) + pack_worker(export(wid))))
+                fold.dirty.discard(wid)
         self._queue.put(("blobs", meta.gen, pm, blobs))
 
     # -- writer thread ---------------------------------------------------------------
@@ -150,47 +173,82 @@ class Snapshotter:
             item = self._queue.get()
             if item is None:
                 return
+            gen = item[1] if item[0] == "blobs" else item[1].gen
+            if gen <= self._bad_gen:
+                continue  # the rest of a generation that was abandoned
             try:
                 if item[0] == "blobs":
                     _, gen, pm, blobs = item
                     for wid, blob in blobs:
                         pm.workers[wid].blob = self.store.write_blob(wid, gen, blob)
                 else:
-                    meta = item[1]
-                    self.store.commit(meta, self.base.gen if self.base else 0)
-                    with self._committed:
-                        self.base = meta
-                        self._last_commit = time.monotonic()
-                        self._committed.notify_all()
-                    if self.metrics is not None:
-                        self.metrics.snapshot_committed(meta, time.monotonic() - self._started)
-                    log.info("snapshot committed", gen=meta.gen, blocks=meta.blocks())
-            except Exception as exc:  # keep the replica serving; the next snapshot retries
-                self.error = exc
-                log.exception("snapshot write failed")
-                with self._committed:
-                    self._committed.notify_all()
+                    self._commit(item[1])
+            except Exception as exc:  # keep the replica serving; a later generation retries
+                self._write_failed(gen, exc)
+
+    def _commit(self, meta: SnapshotMeta) -> None:
+        self.store.commit(meta, self.base.gen if self.base else 0)
+        with self._committed:
+            self.base = meta
+            self._last_commit = time.monotonic()
+            self._backoff = RETRY_MIN_S
+            self._committed.notify_all()
+        if self.metrics is not None:
+            self.metrics.snapshot_committed(meta, time.monotonic() - self._started)
+        log.info("snapshot committed", gen=meta.gen, blocks=meta.blocks())
+
+    def _write_failed(self, gen: int, exc: Exception) -> None:
+        self.failures += 1
+        if self.metrics is not None:
+            self.metrics.snapshot_write_failures.inc()
+        log.error("snapshot write failed; generation abandoned", gen=gen, error=str(exc), retry_in_s=self._backoff)
+        try:
+            self.store.reopen()
+        except SnapshotError as reopen_exc:  # e.g. still no space: the retry reopens again
+            log.error("snapshot store reopen failed", error=str(reopen_exc))
+        with self._committed:
+            # Every generation begun so far was captured against the failed one's dirty
+            # set: abandon them all; the next to begin rewrites every worker.
+            self._bad_gen = max(gen, self._last_gen)
+            self.error = exc
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, RETRY_MAX_S)
+            self._failed.set()
+            self._committed.notify_all()
 
     def wait_committed(self, gen: int, timeout: float) -> None:
+        """Wait until generation ``gen`` (or a newer one) is committed; SnapshotError if
+        it failed, TimeoutError if it takes longer than ``timeout``."""
         deadline = time.monotonic() + timeout
         with self._committed:
             while self.base is None or self.base.gen < gen:
-                if self.error is not None:
-                    raise self.error
+                if self._bad_gen >= gen:
+                    raise SnapshotError(f"snapshot generation {gen} failed: {self.error}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"snapshot generation {gen} not committed in {timeout}s")
                 self._committed.wait(left)
 
-    def close(self, final: bool = False) -> None:
+    def close(self, final: bool = False, attempts: int = 3) -> bool:
         """Finish the snapshot in progress (with ``final``, take one more of whatever
-        changed since, so that a clean restart replays nothing), then stop the writer."""
+        changed since, so that a clean restart replays nothing; tried ``attempts``
+        times), then stop the writer. Never raises: returns whether the final snapshot
+        (if asked for) was committed; a failed one only means a longer replay."""
+        ok = True
         while self._meta is not None:
             self.step()
-        if final and (self._records or self.fold.dirty):
-            self.snapshot_now()
+        if final and (self._records or self.fold.dirty or self._failed.is_set()):
+            ok = False
+            for attempt in range(attempts):
+                try:
+                    self.snapshot_now()
+                    ok = True
+                    break
+                except (SnapshotError, TimeoutError) as exc:
+                    log.error("final snapshot failed", attempt=attempt + 1, error=str(exc))
         self._queue.put(None)
         self._writer.join()
+        return ok
 
 
 def restore_fold(

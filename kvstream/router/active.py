@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from kvstream.router.errors import DuplicateRequestError, UnknownRequestError
 from kvstream.router.index import WorkerKey
+from kvstream.router.policy import PrefillRates
 
 #: Requests older than this are expired (reference: 300 s).
 DEFAULT_TTL_S = 300.0
@@ -70,7 +71,7 @@ class WorkerLoad(NamedTuple):
 
 
 class _Request:
-    __slots__ = ("request_id", "key", "prefill_tokens", "hashes", "serial")
+    __slots__ = ("request_id", "key", "prefill_tokens", "hashes", "serial", "ahead", "added_s")
 
     def __init__(
         self,
@@ -79,12 +80,17 @@ class _Request:
         prefill_tokens: int,
         hashes: Sequence[int],
         serial: int,
+        ahead: int,
+        added_s: float | None,
     ) -> None:
         self.request_id = request_id
         self.key = key
         self.prefill_tokens = prefill_tokens
         self.hashes = hashes
         self.serial = serial
+        #: Prefill tokens queued on the worker when this request was routed.
+        self.ahead = ahead
+        self.added_s = added_s
 
 
 class _Load:
@@ -108,6 +114,9 @@ class ActiveSequences:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         self.ttl_s = ttl_s
         self.clock = clock
+        #: Prefill throughput per worker, learned from route → prefill_done times (the
+        #: ttft policy's rates; folded from the same ops, so replicas agree).
+        self.rates = PrefillRates()
         self._requests: dict[str, _Request] = {}
         self._loads: dict[WorkerKey, _Load] = {}
         # (timestamp, serial, request id); entries of freed requests are skipped lazily.
@@ -127,6 +136,9 @@ class ActiveSequences:
             self._add(op)
         elif isinstance(op, PrefillDone):
             req = self._get(op.request_id, "prefill_done")
+            if req.added_s is not None:  # the first prefill_done: the request's TTFT
+                self.rates.observe(req.key, req.ahead + req.prefill_tokens, op.timestamp - req.added_s)
+                req.added_s = None
             if req.prefill_tokens:
                 self._loads[req.key].prefill_tokens -= req.prefill_tokens
                 req.prefill_tokens = 0
@@ -152,7 +164,9 @@ class ActiveSequences:
         if load is None:
             load = self._loads[key] = _Load()
         prefill = max(op.isl - op.overlap_tokens, 0)
-        req = _Request(op.request_id, key, prefill, op.sequence_hashes, next(self._serial))
+        req = _Request(
+            op.request_id, key, prefill, op.sequence_hashes, next(self._serial), load.prefill_tokens, op.timestamp
+        )
         self._requests[op.request_id] = req
         load.prefill_tokens += prefill
         load.requests += 1
@@ -195,6 +209,8 @@ class ActiveSequences:
         gone = [rid for rid, r in self._requests.items() if r.key.worker_id == worker_id]
         for rid in gone:
             self._free(self._requests[rid])
+        for key in [k for k in self.rates.keys() if k.worker_id == worker_id]:
+            self.rates.forget(key)
         return gone
 
     def load(self, key: WorkerKey) -> WorkerLoad | None:

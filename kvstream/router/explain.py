@@ -40,6 +40,7 @@ def decision_dict(d: RouteDecision, explain: bool = False) -> dict[str, Any]:
         "blocks": d.blocks,
         "overlap": chosen.overlap._asdict(),
         "cached_tokens": chosen.cached_tokens,
+        "policy": d.schedule.config.policy,
         "logit": chosen.logit,
     }
     if explain:

@@ -129,8 +129,9 @@ class Router:
         mm: Sequence[MmSpan] = (),
     ) -> RouteDecision:
         """Choose a worker for a prompt. With a ``request_id`` and not ``query_only``,
-        the request is added to the active sequences (``decision.op``). ``cache_salt``
-        and ``mm`` (multimodal spans) change the blocks' identity as in DESIGN §1."""
+        the request is added to the active sequences (``decision.op``). The policy is
+        the config's, or ``overrides.policy``. ``cache_salt`` and ``mm`` (multimodal
+        spans) change the blocks' identity as in DESIGN §1."""
         track = request_id is not None and not query_only
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
@@ -179,6 +180,7 @@ class Router:
             keys,
             np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
+            active.rates.rates_for(keys, self.config.scheduler.ttft_prior_tokens_per_s),
         )
         return self.scheduler.schedule(isl, self.config.block_size, candidates, overrides)
 

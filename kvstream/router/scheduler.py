@@ -1,7 +1,10 @@
 """Scheduling (DESIGN.md §5): the cost of sending a request to each candidate, and the
 choice among them.
 
-``worker_logit`` is the reference formula, term by term; lower wins. Temperature 0 takes
+``worker_logit`` is the reference formula, term by term; lower wins. With
+``policy = "ttft"`` the cost is instead the predicted time to first token in ms
+(kvstream.router.policy); the §5 terms are still computed, for explanations and for the
+load a routed request adds. Temperature 0 takes
 the argmin (ties broken uniformly at random), temperature T > 0 samples with
 p ∝ exp(−(l − l_min) / ((l_max − l_min)·T)).
 """
@@ -19,6 +22,7 @@ import numpy as np
 
 from kvstream.router.errors import NoEligibleWorkerError, SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
+from kvstream.router.policy import POLICIES, predicted_ttft
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +41,32 @@ class SchedulerConfig:
     max_active_prefill_tokens: int | None = None
     #: Only these worker ids may be chosen (None: every known worker).
     allowed_workers: frozenset[int] | None = None
+    #: ``kv``: worker_logit (§5, the reference); ``ttft``: the predicted time to first
+    #: token (kvstream.router.policy).
+    policy: str = "kv"
+    #: ttft: prefill throughput assumed for a worker before any is observed (tokens/s).
+    ttft_prior_tokens_per_s: float = 20_000.0
+    #: ttft: cost of onboarding a token from host (G2), and from disk (G3) or external
+    #: storage, as a fraction of prefilling it (PCIe ~25 GB/s and NVMe ~5 GB/s against
+    #: ~20k tokens/s of compute at 128 KiB of KV per token: the simulator's defaults).
+    ttft_host_onboard_ratio: float = 0.1
+    ttft_disk_onboard_ratio: float = 0.5
+    #: ttft: weight of the delay a request's uncached prefill puts on later ones.
+    ttft_recompute_weight: float = 0.5
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "allowed_workers":
+            if f.name == "policy":
+                if value not in POLICIES:
+                    raise SchedulerConfigError(
+                        f"policy must be one of {', '.join(POLICIES)}, got {value!r}"
+                    )
+            elif f.name == "ttft_prior_tokens_per_s" and not (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            ):
+                raise SchedulerConfigError(f"{f.name} must be a finite number > 0, got {value!r}")
+            elif f.name == "allowed_workers":
                 if value is not None and not isinstance(value, frozenset):
                     raise SchedulerConfigError(
                         f"allowed_workers must be a frozenset of worker ids, got {value!r}"
@@ -78,6 +103,7 @@ class SchedulerOverrides:
     max_active_decode_blocks: int | None = None
     max_active_prefill_tokens: int | None = None
     allowed_workers: frozenset[int] | None = None
+    policy: str | None = None
 
 
 class Candidate(NamedTuple):
@@ -140,6 +166,8 @@ class Candidates:
     #: (n, 5): has load entry (0/1), active prefill tokens, active decode blocks,
     #: active requests, new blocks.
     loads: np.ndarray
+    #: (n,): learned prefill tokens/s per candidate, for the ttft policy (None: its prior).
+    rates: np.ndarray | None = None
 
     @classmethod
     def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
@@ -312,6 +340,8 @@ class Scheduler:
         if not isinstance(candidates, Candidates):
             candidates = Candidates.from_rows(candidates)
         columns = worker_logits(cfg, isl, block_size, candidates)
+        if cfg.policy == "ttft":
+            columns = columns._replace(logit=predicted_ttft(cfg, isl, block_size, candidates) * 1000.0)
         n = len(candidates)
         filtered = (
             cfg.allowed_workers is not None

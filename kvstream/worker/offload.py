@@ -9,7 +9,10 @@
   (each G1 registration or reuse is one sighting; counts halve every ``filter_decay``
   sightings). A pool of disk threads writes batches with one gathered write per run of
   consecutive G3 slots.
-- A target tier that already holds a block is skipped. Queues are bounded: a producer
+- A target tier that already holds a block is skipped. A block whose parent the target
+  lacks brings its ancestors along (from the source tier), so chains on G2 and G3 stay
+  prefix-closed. A G1 hit restores a missing G2 copy (the pool refreshes present ones on
+  every tier), so a prefix stays on G2 for as long as requests use it. Queues are bounded: a producer
   waits while its queue is full (back-pressure), and pinned blocks never exceed queue
   size plus in-flight batches.
 - ``close`` drains the queues, or cancels what is still queued (unpinning it); copies
@@ -277,33 +280,46 @@ class OffloadEngine:
             return
         for h in blocks:
             self.filter.observe(h)
-        self._maybe_to_disk(blocks)
+        # A G1 hit restores a G2 copy that was evicted meanwhile (the pool already made
+        # the held ones recent): a hot prefix stays on G2 for as long as it is used. Its
+        # content is complete: it was registered before this request could hit it.
+        present = self._enqueue(self._host, blocks, None)
+        self._maybe_to_disk(present)
 
     def _maybe_to_disk(self, blocks: Sequence[int]) -> None:
         if self._disk is not None:
             self._enqueue(self._disk, [h for h in blocks if self.filter.passes(h)], None)
 
     def _enqueue(self, stage: _Stage, blocks: Sequence[int], ready: torch.cuda.Event | None) -> list[int]:
-        """Pin and queue the blocks that the stage's source holds and its target lacks;
-        returns those the target already holds (or that are on their way there)."""
+        """Pin and queue the blocks that the stage's source holds and its target lacks,
+        each after the ancestors it needs on the target (taken from the source, at the
+        child's priority if higher), so that no copy arrives without its parent; returns
+        those the target already holds (or that are on their way there)."""
         jobs: list[tuple[int, _Job]] = []
         present: list[int] = []
-        gone = 0
+        gone = orphans = 0
         with self.pool.locked():
             for h in blocks:
                 info = stage.source.info(h)
-                if h in stage.target or h in stage.pending:
+                if stage.target.holds(h) or h in stage.pending:
                     present.append(h)
-                elif info is None:
+                    continue
+                if info is None:
                     gone += 1
-                else:
-                    stage.source.pin([h])
-                    stage.pending.add(h)
-                    jobs.append((info.priority, _Job(h, ready)))
+                    continue
+                chain = self._missing_ancestors(stage, info)
+                if chain is None:
+                    orphans += 1
+                    continue
+                for a in chain + [info]:
+                    stage.source.pin([a.block_hash])
+                    stage.pending.add(a.block_hash)
+                    jobs.append((max(a.priority, info.priority), _Job(a.block_hash, ready)))
             self._begin(len(jobs))  # under the lock: wait_idle never misses a pinned block
         # On G1 a just-registered block can only be missing if it was evicted meanwhile;
         # on G2 a block seen on G1 may simply never have been offloaded.
-        self._count(skipped_present=len(present), source_gone=gone if stage is self._host else 0)
+        self._count(skipped_present=len(present), skipped_orphan=orphans,
+                    source_gone=gone if stage is self._host else 0)
         if self.options.inline:
             self._count(**{f"queued_{'host' if stage is self._host else 'disk'}": len(jobs)})
             self._run_inline(stage, jobs)
@@ -314,6 +330,22 @@ class OffloadEngine:
                 break
         self._count(**{f"queued_{'host' if stage is self._host else 'disk'}": len(jobs)})
         return present
+
+    @staticmethod
+    def _missing_ancestors(stage: _Stage, info: BlockInfo) -> list[BlockInfo] | None:
+        """The ancestors of ``info``'s block that the stage's target neither holds nor
+        awaits, root first; None when one of them is not on the source either (the
+        block could not be reported on the target). Called under the pool lock."""
+        out: list[BlockInfo] = []
+        parent = info.parent_hash
+        while parent is not None and not stage.target.holds(parent) and parent not in stage.pending:
+            up = stage.source.info(parent)
+            if up is None:
+                return None
+            out.append(up)
+            parent = up.parent_hash
+        out.reverse()
+        return out
 
     def _run_inline(self, stage: _Stage, jobs: list[tuple[int, _Job]]) -> None:
         """Copy ``jobs`` now, in queue order (priority, then arrival: the sort is stable)
@@ -344,9 +376,9 @@ class OffloadEngine:
                 info = stage.source.info(job.block_hash)
                 assert info is not None and info.pins > 0  # pinned when queued
                 parent = info.parent_hash
-                if job.block_hash in stage.target:
+                if stage.target.holds(job.block_hash):
                     present.append(job.block_hash)
-                elif parent is not None and parent not in stage.target and parent not in stage.pending:
+                elif parent is not None and not stage.target.holds(parent) and parent not in stage.pending:
                     orphans.append(job.block_hash)
                 else:
                     infos.append(info)
@@ -374,7 +406,7 @@ class OffloadEngine:
             orphans: list[int] = []
             for info, slot in zip(infos, dst):
                 parent = info.parent_hash
-                if parent is None or parent in target or parent in held:
+                if parent is None or target.holds(parent) or parent in held:
                     keep.append((info, slot))
                     registered.append(info.block_hash)
                     held.add(info.block_hash)

@@ -84,9 +84,10 @@ class Onboarder:
             n3 = len(dst) - n2
             host_part = hashes[n1 : n1 + n2]
             disk_part = hashes[n1 + n2 : n1 + n2 + n3]
-            pool.host.pin(host_part)
+            # Onboarding is a hit on the lower tiers: their copies elsewhere become recent too.
+            pool.host.pin(host_part, hit=True)
             if pool.disk is not None:
-                pool.disk.pin(disk_part)
+                pool.disk.pin(disk_part, hit=True)
             host_infos = [self._info(pool.host, h) for h in host_part]
             disk_infos = [self._info(pool.disk, h) for h in disk_part] if disk_part else []
         try:

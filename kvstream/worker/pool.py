@@ -4,7 +4,8 @@ Every tier names its blocks by router sequence hash. A slot is free, *allocated*
 to a writer, not yet visible) or *registered* (visible under its hash; pinned while in
 use, evictable otherwise). Registering reports a ``SourceStored`` on the tier to the
 sink, evicting a ``SourceRemoved``; eviction takes the lowest priority first, then the
-least recently used.
+least recently used, leaves before their parents. Recency is tier-wide: a hit on one
+tier refreshes the block's copies on the others.
 
 One re-entrant lock guards the metadata of all tiers (operations on it are dictionary
 updates; copies run outside it), so multi-tier steps such as onboarding are atomic and
@@ -22,7 +23,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -96,6 +96,8 @@ class _Entry:
     tokens_hash: int
     priority: int
     pins: int
+    #: Blocks held on this tier whose parent this block is (eviction takes leaves first).
+    children: int = 0
 
 
 class PoolListener(Protocol):
@@ -208,6 +210,11 @@ class BlockTier:
         with self._pool.locked():
             return len(self._entries)
 
+    def holds(self, block_hash: int) -> bool:
+        """``block_hash in tier`` for a caller already holding the pool lock (the
+        offload engine asks it for every block it considers)."""
+        return block_hash in self._entries
+
     def hashes(self) -> list[int]:
         with self._pool.locked():
             return list(self._entries)
@@ -281,13 +288,27 @@ class BlockTier:
                 heapq.heappush(self._free, s)
 
     def _evict(self, n: int) -> list[int]:
+        """Free ``n`` slots, least recently used first, but leaves before parents: a block
+        whose children are still held goes back to the recent end (as a parent is used
+        whenever a child is), so a chain is never cut above a block the tier keeps. Only
+        when a whole round finds nothing but parents (their children pinned) does a parent
+        go."""
         slots: list[int] = []
         removed: list[int] = []
         for priority in sorted(self._lru):
             queue = self._lru[priority]
+            deferred = 0
             while queue and len(slots) < n:
                 h, _ = queue.popitem(last=False)
-                slots.append(self._entries.pop(h).slot)
+                e = self._entries[h]
+                if e.children and deferred < len(queue):
+                    queue[h] = None
+                    deferred += 1
+                    continue
+                deferred = 0
+                del self._entries[h]
+                self._orphan(e)
+                slots.append(e.slot)
                 removed.append(h)
             if not queue:
                 del self._lru[priority]
@@ -297,6 +318,23 @@ class BlockTier:
         if removed:
             self._pool._emit(SourceRemoved(self.tier, self._pool.dp_rank, tuple(removed)))
         return slots
+
+    def _orphan(self, e: _Entry) -> None:
+        """``e`` left the tier: its parent has one child fewer here."""
+        parent = self._entries.get(e.parent_hash) if e.parent_hash is not None else None
+        if parent is not None:
+            parent.children -= 1
+
+    def touch(self, block_hashes: Sequence[int]) -> None:
+        """Make the held, unpinned blocks among ``block_hashes`` the most recently used of
+        their priority (a request used them on another tier). List a chain parent first:
+        the parent ends up the most recent."""
+        with self._pool.locked():
+            entries = self._entries
+            for h in reversed(block_hashes):
+                e = entries.get(h)
+                if e is not None and e.pins == 0:
+                    self._lru[e.priority].move_to_end(h)
 
     # -- registration and pins -----------------------------------------------------------
     def register(self, blocks: Sequence[NewBlock], priority: int = 0, pin: bool = True) -> list[int]:
@@ -332,6 +370,8 @@ class BlockTier:
                     out.append(existing.slot)
                     continue
                 self._entries[b.block_hash] = _Entry(b.slot, b.parent_hash, b.tokens_hash, priority, 1 if pin else 0)
+                if b.parent_hash is not None:
+                    self._entries[b.parent_hash].children += 1
                 new.append(b)
                 out.append(b.slot)
             if not pin:
@@ -352,7 +392,9 @@ class BlockTier:
 
     def pin(self, block_hashes: Sequence[int], hit: bool = False) -> list[int]:
         """Pin held blocks (all or none) and return their slots. ``hit``: a request reuses
-        them (listeners count it; the offload engine's disk filter sees it)."""
+        them: their copies on every other tier become the most recently used there
+        (recency is tier-wide), and listeners are told (the offload engine restores a
+        missing G2 copy; its disk filter counts the use)."""
         with self._pool.locked():
             missing = [h for h in block_hashes if h not in self._entries]
             if missing:
@@ -398,6 +440,7 @@ class BlockTier:
                 raise UnknownBlockError(f"{self.tier.value} tier: remove lists a block twice")
             for h in block_hashes:
                 e = self._entries.pop(h)
+                self._orphan(e)
                 queue = self._lru[e.priority]
                 del queue[h]
                 if not queue:
@@ -413,6 +456,31 @@ class BlockTier:
             if e is None:
                 raise UnknownBlockError(f"{self.tier.value} tier holds no block {block_hash:#018x}")
             return e.slot
+
+
+class _PoolLock:
+    """The pool's re-entrant lock as a context manager (a class, not a generator: it is
+    entered for every metadata query, so its cost shows in simulations)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: TieredBlockPool) -> None:
+        self._pool = pool
+
+    def __enter__(self) -> None:
+        pool = self._pool
+        pool._lock.acquire()
+        pool._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        pool = self._pool
+        pool._depth -= 1
+        pending: list[Callable[[], None]] = []
+        if pool._depth == 0:
+            pending, pool._pending = pool._pending, []
+        pool._lock.release()
+        for call in pending:
+            call()
 
 
 class TieredBlockPool:
@@ -431,6 +499,7 @@ class TieredBlockPool:
         self._lock = threading.RLock()
         self._depth = 0
         self._pending: list[Callable[[], None]] = []
+        self._locked = _PoolLock(self)
         self._listeners: list[PoolListener] = []
         self.device_store = device_store
         self.device = BlockTier(self, Tier.DEVICE, device_store.capacity)
@@ -479,21 +548,9 @@ class TieredBlockPool:
         raise PoolConfigError(f"this pool has no {tier.value} tier")
 
     # -- locking, events, listeners --------------------------------------------------------
-    @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> _PoolLock:
         """Hold the pool lock; listener calls queued meanwhile run after the outermost exit."""
-        self._lock.acquire()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            pending: list[Callable[[], None]] = []
-            if self._depth == 0:
-                pending, self._pending = self._pending, []
-            self._lock.release()
-            for call in pending:
-                call()
+        return self._locked
 
     def add_listener(self, listener: PoolListener) -> None:
         with self.locked():
@@ -532,6 +589,9 @@ class TieredBlockPool:
                 self._pending.append(lambda listener=listener: listener.on_registered(tier, hashes, ready))
 
     def _hit(self, tier: Tier, hashes: tuple[int, ...]) -> None:
+        for other in self.tiers:
+            if other.tier is not tier:
+                other.touch(hashes)
         for listener in list(self._listeners):
             self._pending.append(lambda listener=listener: listener.on_hit(tier, hashes))
 

@@ -223,9 +223,10 @@ def test_fuzzed_records_and_requests(kafka_topics_factory) -> None:
                     resp = client.post("/v1/route", json=body)
                 statuses[resp.status_code] += 1
                 assert 400 <= resp.status_code < 500, (body, resp.status_code, resp.text)
-            for rid in ("nope", "x" * 300, "%00"):
-                assert client.post(f"/v1/requests/{rid}/prefill_done").status_code == 404
-                assert client.delete(f"/v1/requests/{rid}").status_code == 404
+            for rid, status in (("nope", 404), ("x" * 300, 422), ("%00", 422)):  # 422: not a safe id
+                assert client.post(f"/v1/requests/{rid}/prefill_done").status_code == status
+                assert client.delete(f"/v1/requests/{rid}").status_code == status
+                statuses[status] += 2
             assert client.get("/v1/route").status_code == 405
             wait_caught_up(r, s, timeout=240)
             assert r.wait_ready(30)

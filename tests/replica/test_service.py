@@ -10,6 +10,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from kvstream.replica.peer import fetch_peer_snapshot
+from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import MAX_TOKENS, create_app
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.settings import Settings
@@ -139,3 +140,51 @@ def test_peer_bootstrap_over_http(served, kafka_topics: Settings, tmp_path) -> N
     finally:
         server.should_exit = True
         t.join(10)
+
+
+def test_policy_switch_and_per_request_override(served, kafka_topics: Settings, tmp_path) -> None:
+    """w1 decodes a long request, w2 prefills a shorter one: a short prompt goes to w2
+    under kv (§5 weighs w1's decode blocks) and to w1 under ttft (nothing queued there).
+    The replica's [router] policy sets the default; the body's `policy` overrides it."""
+    from kvstream.replica.cli import router_config
+    from kvstream.settings import load_settings
+
+    def load(client: TestClient, tag: str) -> None:
+        long1 = {"token_ids": list(range(10_000, 14_000)), "request_id": f"long1-{tag}", "weights": {"allowed_workers": [1]}}
+        r = client.post("/v1/route", json=long1)
+        assert r.status_code == 200 and r.json()["worker_id"] == 1, r.text
+        time.sleep(0.01)  # a measurable TTFT: the rate w1 learns
+        assert client.post(f"/v1/requests/long1-{tag}/prefill_done").status_code == 200
+        long2 = {"token_ids": list(range(20_000, 20_600)), "request_id": f"long2-{tag}", "weights": {"allowed_workers": [2]}}
+        r = client.post("/v1/route", json=long2)
+        assert r.status_code == 200 and r.json()["worker_id"] == 2, r.text
+
+    def choice(client: TestClient, policy: str | None) -> tuple[int, str]:
+        body: dict = {"token_ids": list(range(30_000, 30_032)), "query_only": True}
+        if policy is not None:
+            body["policy"] = policy
+        r = client.post("/v1/route", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["worker_id"], r.json()["policy"]
+
+    _, client = served
+    load(client, 'a')
+    assert choice(client, None) == (2, "kv")
+    assert choice(client, "ttft") == (1, "ttft")
+    assert client.post("/v1/route", json={"token_ids": [1], "policy": "fastest"}).status_code == 422
+
+    toml = tmp_path / "ttft.toml"
+    toml.write_text('[router]\npolicy = "ttft"\n')
+    settings = load_settings(toml, bootstrap=kafka_topics.bootstrap).model_copy(update={"topics": kafka_topics.topics})
+    assert router_config(settings).scheduler.policy == "ttft"
+    other = Replica(settings, ReplicaOptions(tick_interval_s=3600.0), router_config(settings))
+    other.start()
+    try:
+        assert other.wait_ready(60)
+        wait_caught_up(other, kafka_topics)
+        c2 = TestClient(create_app(other))
+        load(c2, 'b')
+        assert choice(c2, None) == (1, "ttft")
+        assert choice(c2, "kv") == (2, "kv")
+    finally:
+        other.stop()

@@ -124,7 +124,8 @@ def _job(rid: str, tokens: list[int], at: float, out: int = 3) -> Job:
 
 
 def test_engine_times_follow_the_cost_model(tmp_path: Path) -> None:
-    cost = CostModel(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, batch_limit=4)
+    cost = CostModel(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, batch_limit=4, min_step_ms=0,
+                     decode_ms_per_context_token=0)
     engine = SimEngine(0, EngineConfig(device_blocks=64, host_blocks=64, disk_blocks=0, cost=cost),
                        Consolidator(Writer()), tmp_path)
     prompt = list(range(100))  # 6 full blocks + 4 tokens
@@ -159,10 +160,60 @@ def test_engine_onboards_from_host_after_eviction(tmp_path: Path) -> None:
         step = engine.end_step(end)
     job = step.finished[0]
     assert (job.device_blocks, job.host_blocks) == (0, 8)  # evicted from G1, kept on G2
-    assert end == pytest.approx(2.0 + 128 * 0.1 / 1000)
+    # Fully cached: the last token is computed (1 ms), the 128 others come from G2.
+    assert end == pytest.approx(2.0 + (1 + 128 * 0.1) / 1000)
     assert (Tier.HOST_PINNED, 8) in writer.stores  # passthrough tells the router about G2
     with pytest.raises(SimulationError, match="device tier"):
         engine.submit(_job("huge", list(range(16 * 9)), 3.0))
+    engine.close()
+
+
+def test_min_step_and_decode_cost_growing_with_the_batch_tokens(tmp_path: Path) -> None:
+    cost = CostModel(prefill_ms_per_token=0.01, decode_ms_per_token=1.0, decode_ms_per_context_token=0.5,
+                     min_step_ms=5.0, batch_limit=4, max_batch_tokens=64)
+    engine = SimEngine(0, EngineConfig(device_blocks=64, host_blocks=64, disk_blocks=0, cost=cost),
+                       Consolidator(Writer()), tmp_path)
+    engine.submit(_job("a", [1, 2], 0.0, out=5))
+    end = engine.begin_step(0.0, float("inf"))
+    assert end == pytest.approx(0.005)  # 2 tokens × 0.01 ms: the minimum step
+    engine.end_step(end)
+    # 4 decode steps of one request whose context grows 3, 4, 5, 6 tokens:
+    # max(5, 1 + 0.5·ctx) = 5, 5, 5, 5 ms... then with a longer context the KV reads dominate.
+    end2 = engine.begin_step(end, float("inf"))
+    assert end2 == pytest.approx(end + 4 * 0.005)
+    engine.end_step(end2)
+    engine.submit(_job("b", list(range(40)), 1.0, out=4))
+    end3 = engine.end_step(engine.begin_step(1.0, float("inf"))).first_tokens[0].first_token_s
+    end4 = engine.begin_step(end3, float("inf"))  # contexts 41, 42, 43: 1 + 0.5·ctx each
+    assert end4 == pytest.approx(end3 + (21.5 + 22 + 22.5) / 1000)
+    # Taken at once or one by one (an arrival after every step), the times are the same.
+    assert cost.decode_steps_ms(3, 1, 41) == pytest.approx(21.5 + 22 + 22.5)
+    assert cost.decode_steps_ms(5, 2, 0) == pytest.approx(sum(max(5.0, 2 + 0.5 * (2 * j)) for j in range(5)))
+    engine.end_step(end4)
+    engine.close()
+
+
+def test_chunked_prefill_shares_the_token_budget_first_come_first_served(tmp_path: Path) -> None:
+    cost = CostModel(prefill_ms_per_token=1.0, decode_ms_per_token=0, decode_ms_per_context_token=0,
+                     min_step_ms=0, batch_limit=4, max_batch_tokens=128)
+    engine = SimEngine(0, EngineConfig(device_blocks=64, host_blocks=64, disk_blocks=0, cost=cost),
+                       Consolidator(Writer()), tmp_path)
+    engine.submit(_job("long", list(range(300)), 0.0, out=2))
+    t = engine.begin_step(0.0, float("inf"))
+    assert t == pytest.approx(0.128) and not engine.end_step(t).first_tokens  # 128 of 300
+    engine.submit(_job("short", list(range(1000, 1100)), t, out=1))
+    t2 = engine.begin_step(t, float("inf"))  # long takes the whole budget: short waits
+    assert t2 == pytest.approx(t + 0.128) and not engine.end_step(t2).first_tokens
+    t3 = engine.begin_step(t2, float("inf"))  # long's last 44 tokens, then 84 of short's 100
+    assert t3 == pytest.approx(t2 + 0.128)
+    assert [j.request_id for j in engine.end_step(t3).first_tokens] == ["long"]
+    t4 = engine.begin_step(t3, float("inf"))  # long decodes (1 token), short's last 16
+    assert t4 == pytest.approx(t3 + 0.016)
+    step = engine.end_step(t4)
+    assert [j.request_id for j in step.first_tokens] == ["short"]
+    assert sorted(j.request_id for j in step.finished) == ["long", "short"]
+    with pytest.raises(SimulationError, match="max_batch_tokens"):
+        CostModel(batch_limit=32, max_batch_tokens=32)
     engine.close()
 
 

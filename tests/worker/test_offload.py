@@ -8,10 +8,13 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
 from kvstream.events.model import Tier  # noqa: E402
+from kvstream.hashing import block_hashes  # noqa: E402
 from kvstream.worker.errors import OffloadClosedError, PoolConfigError  # noqa: E402
 from kvstream.worker.offload import BoundedQueue, DiskFilter, OffloadEngine, OffloadOptions  # noqa: E402
 from kvstream.worker.onboard import Onboarder  # noqa: E402
@@ -243,20 +246,93 @@ def test_bad_offload_options():
         OffloadOptions(queue_blocks=-1)
 
 
-def test_orphans_are_not_offloaded(make_pool, sink):
-    """A block whose parent left G2 cannot be reported there (its place in the chain is
-    unknown to G2), so it is not copied."""
+def test_a_child_brings_its_missing_parent_chain(make_pool, sink):
+    """A block whose parent left G2 is not orphaned there: the parent (still on G1) is
+    copied first, so G2 reports the chain from its root."""
+    pool = make_pool()
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4))
+    local, seq = chain(3)
+    put(pool, local, seq[:1])
+    assert engine.wait_idle(10)
+    pool.host.remove([seq[0]])
+    sink.take()
+    put(pool, local, seq, first=1)  # the children, registered on G1 under their G1 parent
+    assert engine.wait_idle(10)
+    assert sink.take() == [
+        SourceStored(G1, 0, seq[0], tuple(seq[1:]), tuple(local[1:])),
+        SourceStored(G2, 0, None, tuple(seq), tuple(local)),
+    ]
+    assert engine.stats().skipped_orphan == 0
+    engine.close()
+    assert_consistent(pool, sink)
+
+
+def test_a_block_whose_parent_is_on_no_tier_is_not_offloaded(make_pool, sink):
+    """Its place in the chain cannot be reported on G2: skipped and counted."""
     pool = make_pool()
     engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4))
     local, seq = chain(2)
     put(pool, local, seq[:1])
     assert engine.wait_idle(10)
+    put(pool, local, seq, first=1, pin=True)  # queued for G2 only once unpinned below
     pool.host.remove([seq[0]])
+    pool.device.remove([seq[0]])
+    pool.device.unpin([seq[1]])
     sink.take()
-    put(pool, local, seq, first=1)  # the child, registered on G1 under its G1 parent
+    pool.device.pin([seq[1]], hit=True)  # a G1 hit asks for the missing G2 copy
+    pool.device.unpin([seq[1]])
     assert engine.wait_idle(10)
-    assert sink.take() == [SourceStored(G1, 0, seq[0], (seq[1],), (local[1],))]
-    assert engine.stats().skipped_orphan == 1 and seq[1] not in pool.host
+    assert seq[1] not in pool.host and engine.stats().skipped_orphan >= 1
+    engine.close()
+
+
+def test_a_g1_hit_restores_the_g2_copy_and_refreshes_every_tier(make_pool, sink):
+    pool = make_pool(device=8, host=4, disk=None)
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4))
+    local, seq = chain(2)
+    put(pool, local, seq)
+    assert engine.wait_idle(10)
+    pool.host.remove([seq[1]])
+    pool.device.pin(seq, hit=True)
+    pool.device.unpin(seq)
+    assert engine.wait_idle(10)
+    assert set(pool.host.hashes()) == set(seq)
+    # The hit made the G2 copies the most recent: two fresh chains evict other blocks first.
+    for start in (100, 200):
+        other_local, other = chain(1, start=start)
+        put(pool, other_local, other)
+        assert engine.wait_idle(10)
+        pool.device.pin(seq, hit=True)
+        pool.device.unpin(seq)
+    assert set(seq) <= set(pool.host.hashes())
+    engine.close()
+    assert_consistent(pool, sink)
+
+
+def test_a_hot_root_hit_on_g1_for_hours_keeps_its_g2_copy(make_pool, sink):
+    """The issue's workload: one hot prefix root stays on G1 and is hit by every request,
+    while a stream of distinct suffixes (and unrelated prompts) flows through G2. The
+    root's G2 copy must never be evicted, and every chain on G2 stays prefix-closed."""
+    pool = make_pool(device=6, host=6, disk=None)
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4, inline=True))
+    bs = SMALL.block_size
+    root_local, root = chain(1, start=0)
+    put(pool, root_local, root, pin=True)  # the root stays resident on G1 (pinned by its users)
+    rng = random.Random(7)
+    for i in range(1, 3000):  # one request every few simulated seconds: hours of traffic
+        tokens = list(range(bs)) + [10_000 + i] * bs
+        local, seq = block_hashes(tokens, bs)
+        pool.device.pin(root, hit=True)
+        put(pool, local, seq, first=1)
+        pool.device.unpin(root)
+        if rng.random() < 0.3:
+            other_local, other = chain(2, start=1_000_000 + 10 * i)
+            put(pool, other_local, other)
+        assert root[0] in pool.host, f"the hot root left G2 after {i} requests"
+        for h in pool.host.hashes():
+            parent = pool.host.info(h).parent_hash
+            assert parent is None or parent in pool.host, "a G2 chain lost its parent"
+    pool.device.unpin(root)
     engine.close()
     assert_consistent(pool, sink)
 
@@ -296,5 +372,37 @@ def test_disk_write_failure_is_counted_and_corrupts_nothing(make_pool, sink):
     pool.device.unpin(seq)
     assert engine.wait_idle(10)
     assert pool.disk.match(seq) == 3
+    engine.close()
+    assert_consistent(pool, sink)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompts=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(1, 3)), min_size=1, max_size=40
+    )
+)
+def test_chains_on_g2_and_g3_stay_prefix_closed(make_pool, sink, prompts):
+    """Prompts of shared roots and branches, onboarded from the lower tiers and
+    offloaded inline through small tiers: every block held on G2 or G3 has its parent
+    there too, and the bytes that went down and back are the ones written."""
+    sink.events.clear()
+    pool = make_pool(device=6, host=5, disk=7)
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=2, inline=True))
+    onboarder = Onboarder(pool)
+    bs = SMALL.block_size
+    for root, branch, depth in prompts:
+        tokens = [root] * bs + [100 + branch] * bs + [200 + root * 10 + branch] * bs * depth
+        local, seq = block_hashes(tokens, bs)
+        seq, local = seq[: 1 + depth], local[: 1 + depth]
+        res = onboarder.onboard(seq)
+        n = len(res.block_hashes)
+        fresh = put(pool, local, seq, first=n, pin=True) if n < len(seq) else []
+        assert len(fresh) == len(seq) - n
+        pool.device.unpin(seq)
+        for tier in (pool.host, pool.disk):
+            for h in tier.hashes():
+                parent = tier.info(h).parent_hash
+                assert parent is None or parent in tier, f"{tier.tier}: a chain lost its parent"
     engine.close()
     assert_consistent(pool, sink)

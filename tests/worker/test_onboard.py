@@ -90,3 +90,21 @@ def test_round_trip_g1_g2_g3_g1_bytes_identical(make_pool):
     assert result.disk_blocks == 8
     assert [checksum(pool.read_block(G1, h)) for h in seq] == before == [expected(h) for h in seq]
     pool.device.unpin(seq)
+
+
+def test_onboarding_refreshes_the_copies_on_every_tier(make_pool, sink):
+    """Onboarding from G2 is a use of the block: its G3 copy becomes the most recent on
+    G3, so a fresh write to a full G3 evicts another block."""
+    pool = make_pool(device=8, host=8, disk=2)
+    local, seq = chain(1)
+    other_local, other = chain(1, start=100)
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4, disk_min_seen=1, inline=True))
+    put(pool, local, seq)
+    put(pool, other_local, other)  # written to G3 after seq: the more recent there
+    engine.close()
+    pool.device.remove(seq)
+    Onboarder(pool).onboard(seq)
+    pool.device.unpin(seq)
+    sink.take()
+    pool.disk.allocate(1)
+    assert [e.block_hashes for e in sink.take()] == [(other[0],)]

@@ -75,6 +75,37 @@ def test_a_chain_is_evicted_from_its_tail(make_pool, sink):
     assert sink.take() == [SourceRemoved(G1, 0, (seq[2], seq[1]))]
 
 
+def test_a_parent_outlives_its_children_even_when_less_recent(make_pool, sink):
+    """The root is the least recent block, but its child is held: the child goes first."""
+    pool = make_pool(device=3, disk=None)
+    local, seq = chain(2)
+    put(pool, local, seq[:1])
+    put(pool, local, seq, first=1)  # the child, registered after its parent: more recent
+    other_local, other = chain(1, start=500)
+    put(pool, other_local, other)
+    sink.take()
+    pool.device.allocate(1)
+    assert sink.take() == [SourceRemoved(G1, 0, (seq[1],))]
+    pool.device.allocate(2)  # the parent went back to the recent end: it is used with its child
+    assert sink.take() == [SourceRemoved(G1, 0, (other[0], seq[0]))]
+
+
+def test_a_hit_refreshes_the_copies_on_every_tier(make_pool, sink):
+    pool = make_pool(device=4, host=2, disk=None)
+    hashes = []
+    for i in range(2):
+        local, seq = chain(1, start=100 * i)
+        put(pool, local, seq)
+        slot = pool.host.allocate(1)
+        pool.host.register([NewBlock(slot[0], seq[0], None, local[0])], pin=False)
+        hashes.append(seq[0])
+    pool.device.pin([hashes[0]], hit=True)  # a G1 hit: the G2 copy becomes the most recent too
+    pool.device.unpin([hashes[0]])
+    sink.take()
+    pool.host.allocate(1)
+    assert sink.take() == [SourceRemoved(G2, 0, (hashes[1],))]
+
+
 def test_eviction_lowest_priority_then_lru(make_pool, sink):
     pool = make_pool(device=4, disk=None)
     hashes = []

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from kvstream.events.errors import DecodeError
 from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.request_ids import unscoped
 from kvstream.replica.service import RouteRequest
 from kvstream.router.active import ActiveOp, AddRequest
 from kvstream.router.errors import NoEligibleWorkerError, RouterError, SchedulerConfigError
@@ -137,7 +138,7 @@ def _decide_from_hashes(router: Router, add: AddRequest, now: float) -> RouteDec
     seqs = add.sequence_hashes
     schedule = router.schedule_hashes(add.isl, seqs, seqs, None, now)
     worker = schedule.candidates.workers[schedule.chosen]
-    return RouteDecision(worker, add.request_id, add.isl, len(seqs), schedule, None)
+    return RouteDecision(worker, unscoped(add.request_id), add.isl, len(seqs), schedule, None)
 
 
 def _score(fn: Any) -> RouteDecision:
@@ -174,7 +175,12 @@ def explain_at(
 
 
 def find_request(ops: list[LoggedOp], request_id: str) -> LoggedOp:
-    adds = [o for o in ops if isinstance(o.op, AddRequest) and o.op.request_id == request_id]
+    # Logged ids are scoped by their replica (kvstream.replica.request_ids): match the
+    # scoped id, or the client's id (the newest such request, whichever replica took it).
+    adds = [
+        o for o in ops
+        if isinstance(o.op, AddRequest) and request_id in (o.op.request_id, unscoped(o.op.request_id))
+    ]
     if not adds:
         raise ReplayError(
             f"request {request_id!r} is not in the active topic (never routed with that id, "

@@ -8,32 +8,63 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import click
 
 from kvstream.router import RouterConfig, SchedulerConfig
+from kvstream.router.errors import SchedulerConfigError
 from kvstream.settings import SettingsError, load_settings
 from kvstream.tools.bench.common import emit
 from kvstream.tools.simulate.engine import CostModel, EngineConfig
 from kvstream.tools.simulate.errors import SimulationError
 from kvstream.tools.simulate.eventlog import EventLog, KafkaEventLog, MemoryEventLog
 from kvstream.tools.simulate.policies import POLICIES
+from kvstream.tools.simulate.reference import lru_reference
 from kvstream.tools.simulate.report import plot, summarize
+from kvstream.tools.simulate.sweep import (
+    SweepPoint,
+    describe_window,
+    offered_rate,
+    parse_sweep,
+    plot_sweep,
+    saturation,
+    saturation_markdown,
+    scaled,
+)
 from kvstream.tools.simulate.runner import LogFactory, SimClock, SimOptions, SimResult
 from kvstream.tools.simulate.runner import simulate as run_simulation
 from kvstream.tools.simulate.trace import Request, TraceOptions, read_mooncake
 from kvstream.tools.simulate.workload import WorkloadOptions, generate
 from kvstream.worker.consolidator import Mode
 
-_COST = CostModel()
 _ENGINE = EngineConfig()
+
+
+def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One flag per field of ``cls`` (same name, its default), so that every weight and
+    cost of the library can be set from the command line."""
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        for field in reversed(fields(cls)):
+            if field.name in skip:
+                continue
+            default = field.default
+            kind = int if str(field.type).startswith("int") else float
+            f = click.option(f"--{field.name.replace('_', '-')}", field.name, type=kind, default=default,
+                             show_default=True, help=f"{prefix}{field.name} (see docs/RESULTS.md).")(f)
+        return f
+    return decorate
 
 
 @click.command("simulate")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Mooncake JSONL trace (default: a generated workload with shared prefixes).")
-@click.option("--speed", type=float, default=1.0, show_default=True, help="Replay speed (arrival times ÷ speed).")
+@click.option("--speed", type=float, default=1.0, show_default=True,
+              help="Replay speed (arrival times ÷ speed); --sweep replaces it.")
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N requests.")
 @click.option("--sessions", type=click.IntRange(min=1), default=40, show_default=True,
               help="Sessions of the generated workload (without --trace).")
@@ -51,12 +82,14 @@ _ENGINE = EngineConfig()
               show_default=True, help="G2 capacity per worker, in tokens.")
 @click.option("--disk-tokens", type=click.IntRange(min=0), default=_ENGINE.disk_blocks * _ENGINE.block_size,
               show_default=True, help="G3 capacity per worker, in tokens (0: no disk tier).")
-@click.option("--prefill-ms-per-token", type=float, default=_COST.prefill_ms_per_token, show_default=True)
-@click.option("--decode-ms-per-token", type=float, default=_COST.decode_ms_per_token, show_default=True,
-              help="Decode step time per running request.")
-@click.option("--onboard-host-ms-per-token", type=float, default=_COST.onboard_host_ms_per_token, show_default=True)
-@click.option("--onboard-disk-ms-per-token", type=float, default=_COST.onboard_disk_ms_per_token, show_default=True)
-@click.option("--batch-limit", type=click.IntRange(min=1), default=_COST.batch_limit, show_default=True)
+@_dataclass_options(CostModel, "cost: ")
+@_dataclass_options(SchedulerConfig, "router: ", skip=("allowed_workers", "policy"))
+@click.option("--window", type=click.IntRange(min=1), default=3000, show_default=True,
+              help="Requests per window of the per-window hit rates (`windows` in the JSON).")
+@click.option("--sweep", "sweep_spec", help="Load sweep, e.g. 'speed=1,2,4,8': every policy at every speed; "
+              "--plot then draws TTFT p50/p99 and hit rate against load.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs (policies × speeds) at once, in separate processes (in-memory log only).")
 @click.option("--bootstrap", help="Kafka bootstrap servers: send the events through the real broker.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file (with --bootstrap).")
 @click.option("--topic-prefix", help="Topic name prefix (with --bootstrap).")
@@ -69,38 +102,70 @@ _ENGINE = EngineConfig()
 def simulate(
     trace_path: Path | None, speed: float, limit: int | None, sessions: int, workers: int,
     policies: tuple[str, ...], mode: str, seed: int, block_size: int, device_tokens: int, host_tokens: int,
-    disk_tokens: int, prefill_ms_per_token: float, decode_ms_per_token: float,
-    onboard_host_ms_per_token: float, onboard_disk_ms_per_token: float, batch_limit: int,
-    bootstrap: str | None, config_file: str | None, topic_prefix: str | None, replicas: int,
-    plot_path: Path | None, progress: bool | None, as_json: bool,
+    disk_tokens: int, window: int, sweep_spec: str | None, jobs: int, bootstrap: str | None, config_file: str | None,
+    topic_prefix: str | None, replicas: int, plot_path: Path | None, progress: bool | None, as_json: bool,
+    **weights: Any,
 ) -> None:
     """Trace-driven fleet simulation: routing policies over simulated tiered workers."""
     try:
-        requests = _requests(trace_path, speed, limit, sessions, seed)
+        speeds = parse_sweep(sweep_spec) if sweep_spec is not None else [speed]
+        cost = CostModel(**{f.name: weights.pop(f.name) for f in fields(CostModel)})
+        scheduler = SchedulerConfig(**weights)
         engine = EngineConfig(
             device_blocks=device_tokens // block_size,
             host_blocks=host_tokens // block_size,
             disk_blocks=disk_tokens // block_size,
             block_size=block_size,
-            cost=CostModel(prefill_ms_per_token, decode_ms_per_token, onboard_host_ms_per_token,
-                           onboard_disk_ms_per_token, batch_limit),
+            cost=cost,
         )
         make_log = _log_factory(bootstrap, config_file, topic_prefix, replicas)
         names = list(POLICIES) if "all" in policies else list(dict.fromkeys(policies))
         show = sys.stderr.isatty() if progress is None else progress
-        results: list[SimResult] = []
-        for name in names:
-            options = SimOptions(workers=workers, policy=name, mode=Mode(mode), seed=seed, engine=engine,
-                                 scheduler=SchedulerConfig())
-            results.append(run_simulation(requests, options, make_log, progress=show))
+        base = _requests(trace_path, limit, sessions, seed)
+        references = {
+            # One LRU cache of the fleet's whole capacity, and of its host (G2) capacity.
+            "upper_bound": lru_reference(base, block_size, workers * (engine.device_blocks + engine.host_blocks
+                                                                      + engine.disk_blocks)),
+            "host_lru": lru_reference(base, block_size, workers * engine.host_blocks),
+        }
+        if jobs > 1 and bootstrap is not None:
+            raise SimulationError("--jobs runs the in-memory log only (drop --bootstrap, or --jobs)")
+        runs = [
+            (sp, scaled(base, sp), SimOptions(workers=workers, policy=name, mode=Mode(mode), seed=seed,
+                                              engine=engine, scheduler=scheduler))
+            for sp in speeds
+            for name in names
+        ]
+        if jobs > 1:
+            # Each run is independent and deterministic: separate processes give the same results.
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = [pool.submit(run_simulation, reqs, opts, memory_log) for _, reqs, opts in runs]
+                results = [f.result() for f in futures]
+        else:
+            results = [run_simulation(reqs, opts, make_log, progress=show) for _, reqs, opts in runs]
+        points = [SweepPoint(sp, offered_rate(reqs), r) for (sp, reqs, _), r in zip(runs, results)]
         if plot_path is not None:
-            plot(results, plot_path)
-    except (SimulationError, SettingsError) as exc:
+            title = f"{_source(trace_path, sessions, seed)}: {describe_window(base, limit)}"
+            if sweep_spec is not None:
+                plot_sweep(points, references, plot_path, title)
+            else:
+                plot([p.result for p in points], plot_path)
+    except (SimulationError, SettingsError, SchedulerConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    summaries = [summarize(r) for r in results]
-    source = str(trace_path) if trace_path is not None else f"generated(sessions={sessions}, seed={seed})"
-    common = {"trace": source, "speed": speed, "block_size": block_size,
+    summaries = [
+        {**summarize(p.result, window, references), "speed": p.speed, "offered_req_per_s": round(p.offered, 3)}
+        for p in points
+    ]
+    common = {"trace": _source(trace_path, sessions, seed), "block_size": block_size,
               "event_log": "kafka" if bootstrap else "memory"}
+    if sweep_spec is not None:
+        table = saturation(summaries)
+        if as_json:
+            click.echo(json.dumps({**common, "sweep": summaries, "saturation": table}))
+        else:
+            click.echo(saturation_markdown(table, summaries))
+        return
+    common["speed"] = speed
     if len(summaries) == 1:
         emit({**summaries[0], **common}, as_json)
     elif as_json:
@@ -111,25 +176,29 @@ def simulate(
             click.echo()
 
 
-def _requests(trace_path: Path | None, speed: float, limit: int | None, sessions: int, seed: int) -> list[Request]:
-    options = TraceOptions(speed=speed, limit=limit)  # validates speed and limit
+def _source(trace_path: Path | None, sessions: int, seed: int) -> str:
+    return str(trace_path) if trace_path is not None else f"generated(sessions={sessions}, seed={seed})"
+
+
+def _requests(trace_path: Path | None, limit: int | None, sessions: int, seed: int) -> list[Request]:
+    """The workload at speed 1 (``scaled`` replays it faster)."""
+    options = TraceOptions(limit=limit)  # validates limit
     if trace_path is not None:
         return read_mooncake(trace_path, options)
     reqs = generate(WorkloadOptions(seed=seed, sessions=sessions))
-    scaled = [Request(r.request_id, r.arrival_ms / speed, r.input_length, r.output_length, r.hash_ids,
-                      r.tokens_per_id) for r in reqs]
-    return scaled[:limit] if limit is not None else scaled
+    return reqs[:limit] if limit is not None else reqs
+
+
+def memory_log(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
+    """The in-memory event log (a module-level function: --jobs sends it to other processes)."""
+    return MemoryEventLog(config, clock, seed)
 
 
 def _log_factory(bootstrap: str | None, config_file: str | None, topic_prefix: str | None, replicas: int) -> LogFactory:
     if bootstrap is None:
         if replicas != 1 or topic_prefix or config_file:
             raise SimulationError("--replicas, --topic-prefix and --config need --bootstrap (a real broker)")
-
-        def memory(config: RouterConfig, clock: SimClock, seed: int) -> EventLog:
-            return MemoryEventLog(config, clock, seed)
-
-        return memory
+        return memory_log
     settings = load_settings(config_file, bootstrap=bootstrap)
     if topic_prefix is not None:
         settings.topics = settings.topics.model_copy(update={"prefix": topic_prefix})

@@ -7,14 +7,17 @@ consolidator, so that the router sees the store/remove events a real worker woul
 Bytes cost nothing: blocks are 4 bytes (one fp16 K and V value) and prefill never writes
 them. Time is simulated with :class:`CostModel`.
 
-Scheduling is continuous batching, one step at a time: a step admits waiting requests
-(first come, first served, up to the batch limit and while G1 can hold their prompt),
-prefills them whole, and makes one token for every request already decoding.
-``step time = Σ admitted (uncached tokens × prefill + onboarded blocks × onboard cost
-of their tier) + running × decode``. An admitted request's first token comes at the end
-of its step. Steps with nothing to admit are taken several at once up to the next
-arrival (identical to taking them one by one). Decode blocks are not stored: the trace
-names prompt blocks only.
+Scheduling is continuous batching with chunked prefill, one step at a time, as vLLM and
+SGLang schedule: every decoding request makes one token and takes one token of the
+step's budget; the rest of the budget goes to prompts being prefilled, first come first
+served (a prompt longer than the budget is prefilled over several steps). Waiting
+requests are admitted while the budget, the batch limit and G1 allow; admission onboards
+the cached prefix. ``step time = max(min step, prefilled tokens × prefill + onboarded
+tokens × their tier's cost + decoding × decode + their context tokens × KV read)``. A
+request's first token comes at the end of the step that finishes its prefill, when its
+prompt blocks are registered on G1. Steps with only decoding are taken several at once,
+up to the next arrival (the same times as one by one). Decode blocks are not stored: the
+trace names prompt blocks only.
 """
 
 from __future__ import annotations
@@ -36,27 +39,54 @@ from kvstream.worker.source_events import SourceEventSink
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Simulated time, the same for every policy (documented in docs/RESULTS.md)."""
+    """Simulated time, the same for every policy (docs/RESULTS.md has the sources).
 
-    #: Prefill compute per prompt token not found in any tier.
+    The defaults model an 8B-class model (Llama-3-8B: 16 GB of bf16 weights, 128 KiB
+    of KV per token) on one H100-class GPU (3.35 TB/s of HBM, ~400 TFLOP/s achieved)."""
+
+    #: Prefill compute per prompt token not found in any tier (~20k tokens/s).
     prefill_ms_per_token: float = 0.05
-    #: Decode step time per running request (one token each).
-    decode_ms_per_token: float = 0.3
-    #: Bringing KV back into G1 from host memory, and from disk, per token (a block
-    #: costs this times the block size): bytes moved, with no compute.
+    #: Decode compute per running request per step (2 × 8 G FLOP at ~400 TFLOP/s).
+    decode_ms_per_token: float = 0.04
+    #: Decode KV reads per context token per step (128 KiB at 3.35 TB/s): a step's
+    #: decode cost grows with the tokens of the batch.
+    decode_ms_per_context_token: float = 0.00004
+    #: The shortest step: every step reads the weights once (16 GB at 3.35 TB/s).
+    min_step_ms: float = 5.0
+    #: Bringing KV back into G1 from host memory, and from disk, per token: bytes
+    #: moved, with no compute (128 KiB over ~25 GB/s PCIe, and over ~5 GB/s NVMe).
     onboard_host_ms_per_token: float = 0.005
     onboard_disk_ms_per_token: float = 0.025
-    #: Requests running at once (decoding, or admitted in the step).
+    #: Requests running at once (decoding, or being prefilled).
     batch_limit: int = 32
+    #: Tokens per step (chunked prefill; vLLM's --max-num-batched-tokens).
+    max_batch_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("prefill_ms_per_token", "decode_ms_per_token", "onboard_host_ms_per_token",
-                     "onboard_disk_ms_per_token"):
+        for name in ("prefill_ms_per_token", "decode_ms_per_token", "decode_ms_per_context_token",
+                     "min_step_ms", "onboard_host_ms_per_token", "onboard_disk_ms_per_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise SimulationError(f"cost {name} must be a finite number >= 0, got {value}")
         if self.batch_limit <= 0:
             raise SimulationError(f"batch_limit must be positive, got {self.batch_limit}")
+        if self.max_batch_tokens <= self.batch_limit:
+            raise SimulationError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must exceed batch_limit ({self.batch_limit}): "
+                "a full batch of decodes would leave no token for a prefill"
+            )
+
+    def decode_steps_ms(self, steps: int, running: int, context: int) -> float:
+        """Time of ``steps`` decode-only steps of ``running`` requests holding ``context``
+        tokens at the first step (each step adds one token per request)."""
+        a = running * self.decode_ms_per_token + context * self.decode_ms_per_context_token
+        d = running * self.decode_ms_per_context_token
+        # Steps j = 0..steps-1 cost max(min, a + d·j); the first `low` are clamped.
+        low = steps if d == 0 and a < self.min_step_ms else 0
+        if a < self.min_step_ms and d > 0:
+            low = min(steps, math.ceil((self.min_step_ms - a) / d))
+        rest = steps - low
+        return low * self.min_step_ms + rest * a + d * (low * rest + rest * (rest - 1) / 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +116,12 @@ class Job:
     output_length: int
     local: list[int]
     seqs: list[int]
+    #: Output tokens still to make (set when the prefill ends).
     remaining: int = 0
+    #: Prompt tokens still to prefill (set at admission).
+    prefill_left: int = 0
+    #: Tokens in the KV of a decoding request (prompt and output so far).
+    context: int = 0
     slots: list[int] = field(default_factory=list)
     device_blocks: int = 0
     host_blocks: int = 0
@@ -125,9 +160,11 @@ class SimEngine:
         self.offload = OffloadEngine(self.pool, OffloadOptions(inline=True))
         self.onboarder = Onboarder(self.pool)
         self.waiting: deque[Job] = deque()
-        self.running: list[Job] = []
-        #: The step in flight: (end time, admitted jobs, decode steps taken).
-        self.step: tuple[float, list[Job], int] | None = None
+        #: Admitted, prompt not fully prefilled yet (first come first served).
+        self.prefilling: list[Job] = []
+        self.decoding: list[Job] = []
+        #: The step in flight: (end time, (job, prefill tokens) chunks, decode steps taken).
+        self.step: tuple[float, list[tuple[Job, int]], int] | None = None
         #: Simulated seconds spent in steps (for the load imbalance).
         self.busy_s = 0.0
 
@@ -144,6 +181,10 @@ class SimEngine:
     def busy(self) -> bool:
         return self.step is not None
 
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
     def _fits(self, job: Job) -> bool:
         """G1 can hold the whole prompt now, counting what it already holds."""
         device = self.pool.device
@@ -152,56 +193,86 @@ class SimEngine:
         return device.free_blocks + device.evictable_blocks - unpinned_held >= len(job.seqs) - held
 
     def _admit(self, job: Job) -> float:
-        """Onboard the cached prefix, allocate the rest; returns the job's prefill time."""
+        """Onboard the cached prefix, allocate the rest; returns the onboarding time (ms).
+        At least the prompt's last token is computed (it makes the first output token)."""
         res = self.onboarder.onboard(job.seqs)
         job.device_blocks, job.host_blocks, job.disk_blocks = res.device_blocks, res.host_blocks, res.disk_blocks
         job.slots = self.pool.device.allocate(len(job.seqs) - len(res.block_hashes))
         bs = self.config.block_size
-        uncached = job.input_length - len(res.block_hashes) * bs
+        job.prefill_left = max(job.input_length - len(res.block_hashes) * bs, 1)
         c = self.cost
-        return (uncached * c.prefill_ms_per_token + res.host_blocks * bs * c.onboard_host_ms_per_token
-                + res.disk_blocks * bs * c.onboard_disk_ms_per_token) / 1000
+        return (res.host_blocks * bs * c.onboard_host_ms_per_token
+                + res.disk_blocks * bs * c.onboard_disk_ms_per_token)
 
     def begin_step(self, now_s: float, next_arrival_s: float) -> float | None:
         """Start a step at ``now_s`` (admissions happen now); returns its end, or None
         when there is nothing to do. ``next_arrival_s``: when the next request may come."""
         assert self.step is None
-        admitted: list[Job] = []
-        prefill_s = 0.0
-        limit = self.cost.batch_limit
-        while self.waiting and len(self.running) + len(admitted) < limit and self._fits(self.waiting[0]):
+        c = self.cost
+        budget = c.max_batch_tokens - len(self.decoding)
+        chunks: list[tuple[Job, int]] = []
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(job.prefill_left, budget)
+            chunks.append((job, take))
+            budget -= take
+        onboard_ms = 0.0
+        while self.waiting and budget > 0 and self.running < c.batch_limit and self._fits(self.waiting[0]):
             job = self.waiting.popleft()
-            prefill_s += self._admit(job)
-            admitted.append(job)
-        if not admitted and not self.running:
+            onboard_ms += self._admit(job)
+            self.prefilling.append(job)
+            take = min(job.prefill_left, budget)
+            chunks.append((job, take))
+            budget -= take
+        if not chunks and not self.decoding:
             return None
-        decode_s = self.cost.decode_ms_per_token * len(self.running) / 1000
+        running = len(self.decoding)
+        context = sum(j.context for j in self.decoding)
         steps = 1
-        if not admitted and self.running:
-            # Nothing changes until a request finishes or another may arrive.
-            until_finish = min(j.remaining for j in self.running)
-            if math.isinf(next_arrival_s) or decode_s == 0:
-                steps = until_finish
-            else:
-                steps = max(1, min(until_finish, math.ceil((next_arrival_s - now_s) / decode_s)))
-        end = now_s + prefill_s + decode_s * steps
+        if chunks:
+            prefill_ms = sum(take for _, take in chunks) * c.prefill_ms_per_token + onboard_ms
+            decode_ms = running * c.decode_ms_per_token + context * c.decode_ms_per_context_token
+            step_ms = max(c.min_step_ms, prefill_ms + decode_ms)
+        else:
+            # Only decodes: nothing changes until a request finishes or another may arrive.
+            until_finish = min(j.remaining for j in self.decoding)
+            steps = until_finish
+            if not math.isinf(next_arrival_s):
+                gap_ms = (next_arrival_s - now_s) * 1000
+                lo, hi = 1, until_finish  # the fewest steps that reach the next arrival
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if c.decode_steps_ms(mid, running, context) >= gap_ms:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                steps = lo
+            step_ms = c.decode_steps_ms(steps, running, context)
+        end = now_s + step_ms / 1000
         self.busy_s += end - now_s
-        self.step = (end, admitted, steps)
+        self.step = (end, chunks, steps)
         return end
 
     def end_step(self, now_s: float) -> StepEnd:
-        """Finish the step in flight (``now_s`` is its end): admitted requests store
-        their new blocks and get their first token; running ones advance."""
+        """Finish the step in flight (``now_s`` is its end): decoding requests advance;
+        prompts whose prefill ends store their blocks and get their first token."""
         assert self.step is not None
-        _, admitted, steps = self.step
+        _, chunks, steps = self.step
         self.step = None
         finished: list[Job] = []
         still: list[Job] = []
-        for job in self.running:
+        for job in self.decoding:
             job.remaining -= steps
+            job.context += steps
             (finished if job.remaining <= 0 else still).append(job)
         device = self.pool.device
-        for job in admitted:
+        first: list[Job] = []
+        for job, take in chunks:
+            job.prefill_left -= take
+            if job.prefill_left > 0:
+                continue
+            self.prefilling.remove(job)
             start = len(job.seqs) - len(job.slots)
             if job.slots:
                 device.register(
@@ -211,12 +282,14 @@ class SimEngine:
                 )
             job.first_token_s = now_s
             job.remaining = job.output_length - 1
+            job.context = job.input_length + 1
+            first.append(job)
             (finished if job.remaining <= 0 else still).append(job)
         for job in finished:
             job.finish_s = now_s
             device.unpin(job.seqs)
-        self.running = still
-        return StepEnd(tuple(admitted), tuple(finished))
+        self.decoding = still
+        return StepEnd(tuple(first), tuple(finished))
 
     def close(self) -> None:
         self.offload.close(drain=True)

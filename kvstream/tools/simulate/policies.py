@@ -33,6 +33,17 @@ class KvPolicy:
         return router.find_best_match(tokens, request_id=request_id)
 
 
+class TtftPolicy:
+    """The router's predicted-TTFT policy (kvstream.router.policy), with the throughput
+    it learns from the simulated route → first token times."""
+
+    name = "ttft"
+    _overrides = SchedulerOverrides(policy="ttft")
+
+    def route(self, router: Router, tokens: list[int], request_id: str) -> RouteDecision:
+        return router.find_best_match(tokens, request_id=request_id, overrides=self._overrides)
+
+
 class _Baseline(ABC):
     """A policy that ignores cache overlaps: it picks among the candidates by its own
     rule, then has the router record the request on that worker."""
@@ -90,6 +101,7 @@ class LeastLoadPolicy(_Baseline):
 #: Policy name → constructor taking the run's seed.
 POLICIES: dict[str, Callable[[int], Policy]] = {
     "kv": lambda _seed: KvPolicy(),
+    "ttft": lambda _seed: TtftPolicy(),
     "round_robin": RoundRobinPolicy,
     "random": RandomPolicy,
     "least_load": LeastLoadPolicy,

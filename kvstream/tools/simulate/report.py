@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvstream.events.model import Tier
+from kvstream.tools.simulate.reference import ReferenceHits
 from kvstream.tools.simulate.runner import SimResult
 
 _TIERS = ((Tier.DEVICE, "device"), (Tier.HOST_PINNED, "host"), (Tier.DISK, "disk"))
@@ -18,13 +20,18 @@ def _pct(values: np.ndarray, q: float) -> float:
     return round(float(np.percentile(values, q)) * 1000, 1)
 
 
-def summarize(result: SimResult) -> dict[str, Any]:
+def summarize(
+    result: SimResult, window: int | None = None, references: Mapping[str, ReferenceHits] | None = None
+) -> dict[str, Any]:
     """One flat dict of the run's figures (what ``--json`` prints per policy).
 
     Hit rates are shares of prompt blocks: ``hit_rate`` found on any tier of the chosen
     worker, ``hit_rate_<tier>`` per tier (device first, then the lower-tier
     continuation), ``router_hit_rate_<tier>`` what the router credited the chosen worker
-    with (in dedup mode every tier looks like device to it).
+    with (in dedup mode every tier looks like device to it). ``references``: reference
+    hit rates of the same requests (``upper_bound``: one LRU cache of the fleet's total
+    capacity), overall and, with ``window``, in ``windows`` of that many requests (in
+    arrival order) beside the run's own.
     """
     reqs = result.requests
     o = result.options
@@ -69,6 +76,29 @@ def summarize(result: SimResult) -> dict[str, Any]:
         replicas_agree=result.replicas_agree,
         wall_s=round(result.wall_s, 2),
     )
+    references = references or {}
+    for name, ref in references.items():
+        out[name] = round(ref.rate(), 4)
+    if window is not None:
+        out["windows"] = windows(result, window, references)
+    return out
+
+
+def windows(result: SimResult, size: int, references: Mapping[str, ReferenceHits]) -> list[dict[str, Any]]:
+    """Hit rates per ``size`` requests in arrival order (the routing order)."""
+    by_id = {r.request_id: r for r in result.requests}
+    ordered = [by_id[rid] for rid, _ in result.decisions]
+    out = []
+    for start in range(0, len(ordered), size):
+        part = ordered[start : start + size]
+        blocks = sum(r.blocks for r in part) or 1
+        row: dict[str, Any] = {
+            "requests": [start, start + len(part)],
+            "hit_rate": round(sum(sum(r.hits.values()) for r in part) / blocks, 4),
+        }
+        for name, ref in references.items():
+            row[name] = round(ref.rate(start, start + len(part)), 4)
+        out.append(row)
     return out
 
 

@@ -1,0 +1,202 @@
+"""Limits of the replica's HTTP server, so that no client (slow, large or many) can take
+memory, the event loop or file descriptors from the others: ``/healthz`` keeps answering.
+
+- :class:`BodyLimit` (ASGI middleware): a request body larger than ``max_body_bytes`` is
+  refused with 413 before anything parses it (by its ``Content-Length``, or counted as it
+  streams in), and one that does not arrive within ``body_timeout_s`` with 408.
+- :func:`guarded_protocol` (uvicorn's httptools protocol, extended): a connection must
+  send a request's headers within ``header_timeout_s`` (slowloris), and at most
+  ``max_connections`` are open; the next one first evicts the oldest connection still
+  waiting for its headers, or is closed at once if every connection is busy.
+- Routing runs in ``route_threads`` worker threads (kvstream.replica.service), and
+  ``/v1/snapshot`` streams chunk by chunk to at most ``snapshot_streams`` readers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvstream.logs import get_logger
+
+log = get_logger(__name__)
+
+#: File descriptors kept for everything but HTTP connections (Kafka clients, RocksDB).
+FD_RESERVE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    max_body_bytes: int = 16 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1000
+    route_threads: int = 4
+    snapshot_streams: int = 2
+
+
+Reject = Callable[[str], None]
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.limit = status, limit
+
+
+async def _send_error(send: Callable, status: int, message: str) -> None:
+    body = orjson.dumps({"error": message})
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        # The rest of the body is never read: the connection cannot be reused.
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: a byte cap and a deadline on request bodies."""
+
+    def __init__(self, app: Any, limits: HttpLimits, on_reject: Reject) -> None:
+        self.app, self.limits, self.on_reject = app, limits, on_reject
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cap = self.limits.max_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            self.on_reject("body_too_large")
+            await _send_error(send, 413, f"request body is larger than {cap} bytes")
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.body_timeout_s
+        received = 0
+        done = False
+        started = False
+
+        async def limited_receive() -> dict:
+            nonlocal received, done
+            if done:  # after the body: e.g. waiting for a disconnect while streaming
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
+            except TimeoutError:
+                raise _Refused(408, "body_timeout", f"request body not received within {self.limits.body_timeout_s}s") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > cap:
+                    raise _Refused(413, "body_too_large", f"request body is larger than {cap} bytes")
+                done = not message.get("more_body", False)
+            else:
+                done = True
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _Refused as exc:
+            self.on_reject(exc.limit)
+            if started:
+                raise
+            await _send_error(send, exc.status, str(exc))
+
+
+def guarded_protocol(limits: HttpLimits, on_reject: Reject) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a header deadline and a connection cap."""
+
+    class Guarded(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        #: When the current request began (loop time), while its headers are pending.
+        _waiting_since: float | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= limits.max_connections and not self._evict():
+                self.transport = transport  # connection_lost expects one
+                on_reject("connections")
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def _evict(self) -> bool:
+            """Close the connection that has waited longest for its headers."""
+            waiting = [c for c in self.connections if getattr(c, "_waiting_since", None) is not None]
+            if not waiting:
+                return False
+            victim = min(waiting, key=lambda c: c._waiting_since)
+            on_reject("connections")
+            victim._close_waiting()
+            return True
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._waiting_since = self.loop.time()
+                self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            self._waiting_since = None
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            on_reject("header_timeout")
+            self._close_waiting()
+
+        def _close_waiting(self) -> None:
+            self._disarm()
+            self.connections.discard(self)  # now, not when the loop gets to connection_lost
+            self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            idle = not self.pipeline
+            super().on_response_complete()
+            if idle and not self.transport.is_closing():
+                self._arm()  # an idle keep-alive connection waits for headers too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
+def fit_connections(wanted: int) -> int:
+    """Raise the soft limit of open files to the hard one, and return how many HTTP
+    connections fit under it (``wanted`` at most): running out of descriptors would stop
+    ``accept`` for everyone, health checks included."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    fit = max(2, soft - FD_RESERVE)
+    if fit < wanted:
+        log.warning("max_connections lowered to fit the open-files limit", wanted=wanted, nofile=soft, max_connections=fit)
+    return min(wanted, fit)

@@ -1,0 +1,101 @@
+"""Routing policies beside the reference cost (DESIGN.md §5).
+
+``kv`` is ``worker_logit`` exactly (the default). ``ttft`` scores each candidate by the
+time to first token it predicts there:
+
+```
+ahead    = active_prefill_tokens[w]                  # queued prefill work, in tokens
+uncached = max(isl − (device + host + disk + external)[w]·B, 0)
+onboard  = host_onboard_ratio·host[w]·B + disk_onboard_ratio·(disk + external)[w]·B
+ttft[w]  = (ahead + uncached + onboard) / rate[w]    # seconds
+cost[w]  = ttft[w] + recompute_weight·uncached / rate[w]
+```
+
+The cost is this request's predicted TTFT plus, weighted by ``ttft_recompute_weight``,
+the time its uncached prefill adds to the queue of every request routed after it to the
+same worker: without it (weight 0) the policy is greedy for each request and, once
+queues are long, gives up cache reuse that would have shortened everyone's wait (on the
+Mooncake trace at 3× speed, weight 0.5 against 0: TTFT p50 −7%, p99 −2%, hit rate +2
+points; weight 1 gains 1% more on p50 and loses 3.6% of p99).
+
+Onboarding is counted in prefill-token equivalents (moving a token's KV up a tier costs
+that fraction of computing it). ``rate[w]`` is the worker's prefill throughput learned
+online by :class:`PrefillRates` from what the router observes: a request routed at t0
+with ``ahead`` tokens queued before it and ``own`` tokens of its own prefill reports its
+first token at t1, so the worker got through ``ahead + own`` tokens in ``t1 − t0``
+seconds (its TTFT). Rates are decayed sums (tokens and seconds separately, so large
+requests weigh as much as the work they carry); a worker with no sample yet gets the
+mean of the known rates, or the configured prior when none is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstream.router.index import WorkerKey
+
+if TYPE_CHECKING:
+    from kvstream.router.scheduler import Candidates, SchedulerConfig
+
+#: The policies a router can apply (``SchedulerConfig.policy``).
+POLICIES = ("kv", "ttft")
+
+#: Weight of the newest observation in the decayed sums of :class:`PrefillRates`: small,
+#: because one request's TTFT is a noisy sample (the work queued ahead of it was partly
+#: done already); at 0.1 the noise alone made identical workers look different enough
+#: to cost 15% of TTFT p99 on the Mooncake trace, at 0.01 it no longer does.
+DEFAULT_RATE_ALPHA = 0.01
+
+
+class PrefillRates:
+    """Per-worker prefill throughput (tokens/s) from observed times to first token."""
+
+    def __init__(self, alpha: float = DEFAULT_RATE_ALPHA) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = alpha
+        #: worker → (decayed tokens, decayed seconds)
+        self._sums: dict[WorkerKey, tuple[float, float]] = {}
+
+    def observe(self, key: WorkerKey, tokens: int, seconds: float) -> None:
+        """The worker went through ``tokens`` of prefill in ``seconds``. Samples with no
+        elapsed time (clock skew, a replay at one instant) carry no rate and are ignored."""
+        if not seconds > 0 or tokens < 0:
+            return
+        a = self.alpha
+        t, s = self._sums.get(key, (float(tokens), seconds))
+        self._sums[key] = ((1 - a) * t + a * tokens, (1 - a) * s + a * seconds)
+
+    def rate(self, key: WorkerKey) -> float | None:
+        sums = self._sums.get(key)
+        if sums is None or sums[1] <= 0:
+            return None
+        return sums[0] / sums[1]
+
+    def rates_for(self, keys: Sequence[WorkerKey], prior: float) -> np.ndarray:
+        """Tokens/s per key; unknown workers get the mean known rate, else ``prior``."""
+        known = [self.rate(k) for k in keys]
+        seen = [r for r in known if r is not None and r > 0]
+        fallback = float(np.mean(seen)) if seen else prior
+        return np.array([r if r is not None and r > 0 else fallback for r in known], dtype=np.float64)
+
+    def keys(self) -> list[WorkerKey]:
+        return list(self._sums)
+
+    def forget(self, key: WorkerKey) -> None:
+        self._sums.pop(key, None)
+
+
+def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
+    """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
+    first token, plus the weighted delay its uncached prefill puts on later requests."""
+    dev, host, disk, ext = c.overlaps.T.astype(np.float64)
+    has_load, apt = c.loads.T[0], c.loads.T[1]
+    ahead = np.where(has_load != 0, apt, 0).astype(np.float64)
+    uncached = np.maximum(isl - (dev + host + disk + ext) * block_size, 0.0)
+    onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
+    rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
+    return (ahead + (1.0 + cfg.ttft_recompute_weight) * uncached + onboard) / rates

@@ -1,0 +1,165 @@
+"""The ttft policy (kvstream.router.policy): predicted time to first token from queued
+prefill work, the uncached prompt, onboarding per tier and learned throughput."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstream.router.active import ActiveSequences, AddRequest, PrefillDone
+from kvstream.router.errors import SchedulerConfigError
+from kvstream.router.index import TierOverlap, WorkerKey
+from kvstream.router.policy import PrefillRates, predicted_ttft
+from kvstream.router.router import Router, RouterConfig
+from kvstream.router.scheduler import (
+    Candidate,
+    Candidates,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOverrides,
+)
+from kvstream.events.model import Cleared, Tier
+
+A, B = WorkerKey(1, 0), WorkerKey(2, 0)
+TTFT = SchedulerConfig(policy="ttft")
+
+
+def reference_ttft(cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float) -> float:
+    """The policy's formula for one candidate, written out plainly."""
+    o = c.overlap
+    ahead = c.active_prefill_tokens if c.has_load else 0
+    uncached = max(isl - (o.device + o.host_pinned + o.disk + o.external) * bs, 0)
+    onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
+    return (ahead + uncached + onboard) / rate + cfg.ttft_recompute_weight * uncached / rate
+
+
+overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(4)))
+candidates = st.builds(
+    Candidate,
+    st.builds(WorkerKey, st.integers(0, 1000), st.integers(0, 3)),
+    overlaps,
+    st.booleans(),
+    st.integers(0, 100_000),
+    st.integers(0, 5000),
+    st.integers(0, 64),
+    st.integers(0, 100),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(candidates, min_size=1, max_size=8),
+    isl=st.integers(0, 20 * 16 * 4),
+    rates=st.lists(st.floats(100, 1e6), min_size=8, max_size=8),
+    host=st.floats(0, 2),
+    disk=st.floats(0, 2),
+    recompute=st.floats(0, 3),
+)
+def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recompute) -> None:
+    cfg = SchedulerConfig(policy="ttft", ttft_host_onboard_ratio=host, ttft_disk_onboard_ratio=disk,
+                          ttft_recompute_weight=recompute)
+    base = Candidates.from_rows(rows)
+    c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]))
+    got = predicted_ttft(cfg, isl, 16, c)
+    want = [reference_ttft(cfg, isl, 16, r, rate) for r, rate in zip(rows, rates)]
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    # The scheduler picks a candidate of least predicted TTFT (temperature 0).
+    sch = Scheduler(cfg, random.Random(0)).schedule(isl, 16, c)
+    assert want[sch.chosen] == pytest.approx(min(want), rel=1e-9, abs=1e-12)
+    assert sch.columns.logit.tolist() == pytest.approx([w * 1000 for w in want], rel=1e-9, abs=1e-9)
+
+
+def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
+    """The issue's case: A holds half of a short prompt but has 30k tokens of prefill
+    queued; B has no prefill queued but 100 blocks decoding. kv (§5) weighs a queued
+    prefill block like a decode block (62.6 against 108) and picks A; ttft predicts
+    1.55 s on A against 0.1 s on B and picks B (its cost adds the recompute weight
+    times each one's own uncached prefill time)."""
+    a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2)
+    b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4)
+    isl = 2048
+    cands = Candidates.from_rows([a, b])
+    kv = Scheduler(SchedulerConfig(), random.Random(0)).schedule(isl, 512, cands)
+    ttft = Scheduler(TTFT, random.Random(0)).schedule(isl, 512, cands)
+    assert kv.chosen == 0
+    assert ttft.chosen == 1
+    w = 1 + TTFT.ttft_recompute_weight
+    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + w * 1024) / 20.0, w * 2048 / 20.0])
+
+
+def test_onboarding_costs_by_tier_and_learned_rates() -> None:
+    # Same prompt, 4 blocks of 512: A has them on disk, B on host; B wins at equal rates...
+    a = Candidate(A, TierOverlap(disk=4), False, 0, 0, 0, 4)
+    b = Candidate(B, TierOverlap(host_pinned=4), False, 0, 0, 0, 4)
+    base = Candidates.from_rows([a, b])
+    sched = Scheduler(TTFT, random.Random(0))
+    assert sched.schedule(2048, 512, base).chosen == 1
+    # ...but not when B is known to be six times slower.
+    slow_b = Candidates(base.workers, base.overlaps, base.loads, np.array([20_000.0, 20_000.0 / 6]))
+    assert sched.schedule(2048, 512, slow_b).chosen == 0
+
+
+def test_rates_are_decayed_sums_with_fallbacks() -> None:
+    r = PrefillRates(alpha=0.5)
+    assert r.rate(A) is None
+    assert r.rates_for([A, B], prior=7.0).tolist() == [7.0, 7.0]
+    r.observe(A, 1000, 1.0)
+    assert r.rate(A) == 1000
+    r.observe(A, 3000, 1.0)  # sums: tokens 0.5·1000 + 0.5·3000 = 2000, seconds 1
+    assert r.rate(A) == 2000
+    r.observe(A, 10, 0.0)  # no elapsed time: no information
+    assert r.rate(A) == 2000
+    r.observe(B, 1000, 1.0)
+    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0).tolist() == [2000, 1000, 1500]
+    with pytest.raises(ValueError):
+        PrefillRates(alpha=0)
+
+
+def test_active_sequences_learn_the_rate_from_route_to_first_token() -> None:
+    act = ActiveSequences(clock=lambda: 0.0)
+    act.rates = PrefillRates(alpha=0.1)
+    act.apply(AddRequest("r1", 1, 0, 4000, 0, (1, 2), 10.0))
+    act.apply(AddRequest("r2", 1, 0, 2000, 1000, (3,), 10.5))  # 4000 tokens queued ahead of it
+    act.apply(PrefillDone("r1", 10.2))  # 4000 tokens in 0.2 s
+    assert act.rates.rate(A) == pytest.approx(20_000)
+    act.apply(PrefillDone("r2", 10.5 + 0.25))  # 4000 ahead + 1000 own in 0.25 s
+    assert act.rates.rate(A) == pytest.approx((0.9 * 4000 + 0.1 * 5000) / (0.9 * 0.2 + 0.1 * 0.25))
+    act.apply(PrefillDone("r2", 11.0))  # a repeated prefill_done teaches nothing more
+    assert act.rates.rate(A) == pytest.approx((0.9 * 4000 + 0.1 * 5000) / (0.9 * 0.2 + 0.1 * 0.25))
+
+
+def test_policy_config_and_per_request_override() -> None:
+    with pytest.raises(SchedulerConfigError, match="policy"):
+        SchedulerConfig(policy="fastest")
+    with pytest.raises(SchedulerConfigError, match="ttft_prior"):
+        SchedulerConfig(ttft_prior_tokens_per_s=0)
+    with pytest.raises(SchedulerConfigError, match="policy"):
+        SchedulerConfig().with_overrides(SchedulerOverrides(policy="nope"))
+    # A router on kv, a request asking for ttft: w1 decodes a long request, w2 prefills
+    # a shorter one. kv sends a short prompt to w2 (fewer blocks in all); ttft to w1.
+    now = [0.0]
+    router = Router(RouterConfig(block_size=4), clock=lambda: now[0], rng=random.Random(0))
+    for w in (1, 2):
+        router.apply_event(Cleared(w, 0, Tier.DEVICE, 0, 0))
+    router.find_best_match(list(range(10_000, 14_000)), request_id="decoding", overrides=_only(1))
+    now[0] = 0.2
+    router.prefill_done("decoding")
+    router.find_best_match(list(range(20_000, 20_600)), request_id="prefilling", overrides=_only(2))
+    prompt = list(range(8))
+    kv = router.find_best_match(prompt, query_only=True)
+    ttft = router.find_best_match(prompt, query_only=True, overrides=SchedulerOverrides(policy="ttft"))
+    assert (kv.worker.worker_id, ttft.worker.worker_id) == (2, 1)
+    assert ttft.schedule.config.policy == "ttft" and kv.schedule.config.policy == "kv"
+    # The router learned w1's rate from its first request: 4000 tokens in 0.2 s.
+    assert router.active.rates.rate(WorkerKey(1, 0)) == pytest.approx(20_000)
+    # And a router configured for ttft uses it without any override.
+    cfg_router = Router(RouterConfig(block_size=4, scheduler=TTFT), clock=lambda: now[0], rng=random.Random(0))
+    assert cfg_router.config.scheduler.policy == "ttft"
+
+
+def _only(worker: int) -> SchedulerOverrides:
+    return SchedulerOverrides(allowed_workers=frozenset({worker}))
