@@ -159,6 +159,10 @@ class WorkerSettings(BaseModel):
     queue_full: Literal["block", "fail"] = "block"
     #: Prometheus port; 0: none.
     metrics_port: int = Field(0, ge=0, le=65535)
+    #: Engine bridge: where it keeps its state across restarts (None: it does not).
+    state_dir: str | None = None
+    #: Engine bridge: checkpoint period (s), when the state changed.
+    checkpoint_s: float = Field(10.0, gt=0)
 
 
 class Settings(BaseSettings):

@@ -13,6 +13,10 @@ from enum import Enum
 from kvstream.events.errors import EventError, UnknownMediumError
 
 U64_MAX = (1 << 64) - 1
+#: Kafka header of an event batch: JSON ``{issue: count}`` of what the worker's engine
+#: sent that could not be applied (e.g. ``block_size_mismatch``), for /v1/workers.
+#: Advisory, outside the fold: only batches sent while such counts exist carry it.
+STATUS_HEADER = "kvstream-worker-status"
 
 
 class Tier(str, Enum):
@@ -36,6 +40,7 @@ _MEDIUM_TO_TIER: dict[str, Tier] = {
     "CPU_TIER2": Tier.DISK,
     "DISK": Tier.DISK,
     "NVME": Tier.DISK,
+    "STORAGE": Tier.DISK,  # vLLM's file / object offloading tiers
     "EXTERNAL": Tier.EXTERNAL,
     "NETWORK": Tier.EXTERNAL,
     "REMOTE": Tier.EXTERNAL,
@@ -95,7 +100,8 @@ class Removed:
 
 @dataclass(frozen=True, slots=True)
 class Cleared:
-    """Every block of the worker is gone, on every tier and every rank."""
+    """Every block of rank ``dp_rank`` of the worker is gone from ``tier`` (the other
+    ranks and tiers keep theirs). A new epoch, not this event, wipes every rank."""
 
     worker_id: int
     dp_rank: int

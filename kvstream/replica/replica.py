@@ -24,7 +24,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,6 +41,8 @@ from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
+from kvstream.events.model import STATUS_HEADER
+from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
@@ -156,6 +158,8 @@ class Replica:
         # Load ops must reach the peers at once; a replica's few records need no batching.
         self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
         self._lag: dict[int, int] = {}
+        #: worker id → its engine issues, from the newest STATUS_HEADER seen.
+        self._worker_status: dict[int, dict] = {}
         self._start_offsets: dict[int, int] = {}
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
@@ -423,8 +427,11 @@ class Replica:
                     log.warning("consume error", error=str(err))
                 continue
             records += 1
+            headers = m.headers()
+            if headers:
+                self._note_worker_status(m.key(), headers)
             out = fold.apply_record(
-                m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(m.headers()), m.key()
+                m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(headers), m.key()
             )
             m_applied += out.applied_events
             if out.dlq_reason is not None:
@@ -551,6 +558,17 @@ class Replica:
     def lag(self) -> dict[int, int]:
         return dict(self._lag)
 
+    def _note_worker_status(self, key: bytes | None, headers: list) -> None:
+        """A worker's engine issues (STATUS_HEADER), shown by /v1/workers."""
+        for k, v in headers:
+            if k == STATUS_HEADER and key is not None and len(key) == 8:
+                try:
+                    status = json.loads(v)
+                except ValueError:
+                    continue  # advisory only: a bad header changes nothing
+                if isinstance(status, dict):
+                    self._worker_status[int.from_bytes(key, "big")] = status
+
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
         with self.lock:
@@ -567,6 +585,7 @@ class Replica:
                     partition=wlog.partition,
                     lag=self._lag.get(wlog.partition),
                     last_seen_ms=wlog.last_seen_ms,
+                    engine_issues=self._worker_status.get(wid, {}),
                 )
         return {"replica_id": self.replica_id, "ready": self.ready, "workers": out}
 
@@ -627,12 +646,17 @@ class Replica:
         request_id: str | None = None,
         query_only: bool = False,
         overrides: SchedulerOverrides | None = None,
+        *,
+        cache_salt: str | None = None,
+        mm: Sequence[MmSpan] = (),
     ) -> RouteDecision:
         # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
         # request with the same client id is another request.
         key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
-            decision = self.router.find_best_match(token_ids, lora_name, key, query_only, overrides)
+            decision = self.router.find_best_match(
+                token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm
+            )
         if decision.op is not None:
             self._share(decision.op)
         return replace(decision, request_id=request_id)

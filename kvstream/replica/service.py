@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvstream.hashing import MmSpan
 from kvstream.replica import request_ids
 from kvstream.replica.auth import Scope, Tokens
 from kvstream.replica.errors import SnapshotError
@@ -69,12 +70,24 @@ class Weights(BaseModel):
     allowed_workers: list[Annotated[int, Field(ge=0, lt=1 << 64)]] | None = None
 
 
+class MmSpanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hash: int = Field(..., ge=0, lt=1 << 64)
+    offset: int = Field(..., ge=0)
+    length: int = Field(..., ge=1)
+
+
 class RouteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     token_ids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(..., max_length=MAX_TOKENS)
     request_id: str | None = Field(None, pattern=request_ids.PATTERN)
     lora_name: str | None = Field(None, max_length=256)
+    #: Cache salt (Dynamo's cache_namespace): blocks are shared only under the same salt.
+    cache_salt: str | None = Field(None, max_length=256)
+    #: Multimodal objects in the prompt: their hashes enter the blocks they overlap.
+    mm: list[MmSpanBody] = Field(default_factory=list, max_length=1024)
     query_only: bool = False
     weights: Weights | None = None
     #: The routing policy for this request (default: the replica's ``[router] policy``).
@@ -86,12 +99,13 @@ class RouteRequest(BaseModel):
 class RouteQuery(BaseModel):
     """The fields of a binary route request (``application/octet-stream``: the body is
     the token ids as little-endian u32, validated in the compiled core), as query
-    parameters. Per-request weights need the JSON form."""
+    parameters. Per-request weights and multimodal spans need the JSON form."""
 
     model_config = ConfigDict(extra="forbid")
 
     request_id: str | None = Field(None, pattern=request_ids.PATTERN)
     lora_name: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=256)
     query_only: bool = False
     explain: bool = False
     policy: Literal["kv", "ttft"] | None = None
@@ -205,9 +219,11 @@ def create_app(
         if isinstance(raw, BinaryRoute):
             body: RouteRequest | RouteQuery = raw.query
             tokens: Any = raw.tokens
+            spans: list[MmSpan] = []
         else:
             body = raw if isinstance(raw, RouteRequest) else parse_route(raw)
             tokens = body.token_ids
+            spans = [MmSpan(m.hash, m.offset, m.length) for m in body.mm]
         if not replica.ready:
             raise HTTPException(503, "replica is not ready (catching up with the log)")
         overrides = None
@@ -220,7 +236,10 @@ def create_app(
             overrides = dataclasses.replace(overrides or SchedulerOverrides(), policy=body.policy)
         t0 = time.perf_counter()
         try:
-            decision = replica.route(tokens, body.lora_name, body.request_id, body.query_only, overrides)
+            decision = replica.route(
+                tokens, body.lora_name, body.request_id, body.query_only, overrides,
+                cache_salt=body.cache_salt, mm=spans,
+            )
         except NoEligibleWorkerError as exc:
             raise HTTPException(503, str(exc)) from None
         except DuplicateRequestError as exc:

@@ -218,7 +218,10 @@ class TieredIndex:
                 self.counters[UNKNOWN_REMOVE] += unknown
             return None
         if kind is Cleared:
-            self.clear_worker(event.worker_id)
+            # Scoped to the rank that sent it and to its tier (DESIGN §2): an engine's
+            # reset clears what that engine really dropped; a new epoch (the fold's
+            # business) is what wipes every rank.
+            self._core.clear_tier(_TIER_INDEX[event.tier], slot)
             return None
         raise TypeError(f"not a router event: {event!r}")
 

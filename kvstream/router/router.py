@@ -13,7 +13,7 @@ from itertools import chain
 import numpy as np
 
 from kvstream.events.model import RouterEvent
-from kvstream.hashing import DEFAULT_BLOCK_SIZE, TokenIds, block_hashes
+from kvstream.hashing import DEFAULT_BLOCK_SIZE, MmSpan, TokenIds, block_hashes
 from kvstream.router.active import (
     DEFAULT_TTL_S,
     ActiveOp,
@@ -133,14 +133,25 @@ class Router:
         request_id: str | None = None,
         query_only: bool = False,
         overrides: SchedulerOverrides | None = None,
+        *,
+        cache_salt: str | None = None,
+        mm: Sequence[MmSpan] = (),
     ) -> RouteDecision:
         """Choose a worker for a prompt. With a ``request_id`` and not ``query_only``,
         the request is added to the active sequences (``decision.op``). The policy is
-        the config's, or ``overrides.policy``."""
+        the config's, or ``overrides.policy``. ``cache_salt`` and ``mm`` (multimodal
+        spans) change the blocks' identity as in DESIGN §1."""
         track = request_id is not None and not query_only
         # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
         # stays in Python, over the same load (CoreActiveSequences has its interface).
-        if isinstance(self.active, CoreActiveSequences) and self.scheduler.config.with_overrides(overrides).policy == "kv":
+        # The core hashes plain and LoRA prompts only: a salt or multimodal spans change
+        # the blocks' identity (kvstream.hashing), so those prompts take the Python path.
+        if (
+            isinstance(self.active, CoreActiveSequences)
+            and not cache_salt
+            and not mm
+            and self.scheduler.config.with_overrides(overrides).policy == "kv"
+        ):
             return self._decide_in_core(token_ids, lora_name, request_id if track else None, overrides)
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
@@ -150,7 +161,7 @@ class Router:
             token_ids = np.frombuffer(token_ids, "<u4")
         now = self.clock()
         block_size = self.config.block_size
-        local, seqs = block_hashes(token_ids, block_size, lora_name)
+        local, seqs = block_hashes(token_ids, block_size, lora_name, cache_salt=cache_salt, mm=mm)
         isl = len(token_ids)
         schedule = self.schedule_hashes(isl, local, seqs, overrides, now)
         winner = schedule.candidates.workers[schedule.chosen]

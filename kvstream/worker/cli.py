@@ -13,53 +13,55 @@ import click
 from kvstream.kafka.errors import KafkaConfigError
 from kvstream.logs import get_logger
 from kvstream.settings import Settings, SettingsError, load_settings
-from kvstream.worker.consolidator import Consolidator, Mode
-from kvstream.worker.errors import EngineBridgeError, PublisherError
+from kvstream.worker.consolidator import Mode
+from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
+from kvstream.worker.errors import BridgeStateError, EngineBridgeError, PublisherError
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
-from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
-from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
+from kvstream.worker.publisher import PublisherOptions, QueueFull
+from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, Flavour
 
 log = get_logger(__name__)
 
-#: How often the loop reports what it did (a worker runs for ever: this is its progress).
-STATUS_EVERY_S = 30.0
-
-
-def run_zmq_worker(
-    publisher: KafkaPublisher,
-    consolidator: Consolidator,
-    bridge: ZmqEngineBridge,
-    stop: threading.Event,
-) -> None:
-    """The worker loop: engine messages in, housekeeping, until ``stop`` is set."""
-    # Wake at least this often for the publisher's linger and heartbeat timers.
-    wake_ms = max(1, int(min(publisher.options.linger_ms, publisher.options.heartbeat_s * 1000)))
-    next_status = time.monotonic() + STATUS_EVERY_S
-    while not stop.is_set():
-        bridge.poll(wake_ms, max_messages=256)
-        publisher.poll(consolidator)
-        if time.monotonic() >= next_status:
-            next_status += STATUS_EVERY_S
-            s = publisher.stats
-            log.info(
-                "worker_status",
-                engine_messages=bridge.stats.messages,
-                blocks_held=consolidator.block_count(),
-                batches=s.batches,
-                acked_blocks=s.acked_blocks,
-                delivery_failures=s.delivery_failures,
-                queue_depth=publisher.queue_depth,
-                engine_issues=sum(bridge.issues.values()),
-                anomalies=sum(consolidator.anomalies.values()),
-            )
+ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 
 
 @click.command("worker")
-@click.option("--engine", type=click.Choice(["zmq", "synthetic"]), required=True, help="Where KV events come from.")
-@click.option("--endpoint", help="zmq: the engine's KV-event PUB endpoint, e.g. tcp://127.0.0.1:5557.")
-@click.option("--replay-endpoint", help="zmq: the engine's replay (ROUTER) endpoint, to repair gaps.")
-@click.option("--topic", default="", show_default=True, help="zmq: the engine's event topic (subscription prefix).")
-@click.option("--dp-rank", default=0, show_default=True, type=click.IntRange(0), help="zmq: rank of batches that carry none.")
+@click.option(
+    "--engine",
+    type=click.Choice(ENGINES),
+    required=True,
+    help="Where KV events come from: vllm or sglang (their ZMQ KV events), zmq (either, "
+    "detected from the event fields), synthetic (the built-in tiered pool).",
+)
+@click.option(
+    "--endpoint",
+    "endpoints",
+    multiple=True,
+    help="The engine's KV-event PUB endpoint, e.g. tcp://127.0.0.1:5557; repeat it for "
+    "each DP rank's publisher (one worker, one epoch, one rank per endpoint).",
+)
+@click.option(
+    "--replay-endpoint",
+    "replay_endpoints",
+    multiple=True,
+    help="The engine's replay (ROUTER) endpoint, to repair gaps and resume after a "
+    "restart; none, or one per --endpoint in the same order.",
+)
+@click.option("--topic", default="", show_default=True, help="The engine's event topic (subscription prefix).")
+@click.option(
+    "--dp-rank",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Rank of batches that carry none, for the first endpoint (the n-th gets this + n).",
+)
+@click.option("--block-size", type=click.IntRange(1), help="Router block size (events of another size are skipped). [settings: router.block_size]")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks. [settings: worker.state_dir]",
+)
+@click.option("--checkpoint-s", type=click.FloatRange(0.1), help="With --state-dir: checkpoint period. [settings: worker.checkpoint_s, default 10]")
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
@@ -79,10 +81,13 @@ def run_zmq_worker(
 @click.option("--disk-dir", type=click.Path(file_okay=False, path_type=Path), help="synthetic: where the G3 block file lives.")
 def worker(
     engine: str,
-    endpoint: str | None,
-    replay_endpoint: str | None,
+    endpoints: tuple[str, ...],
+    replay_endpoints: tuple[str, ...],
     topic: str,
     dp_rank: int,
+    block_size: int | None,
+    state_dir: Path | None,
+    checkpoint_s: float | None,
     worker_id: int,
     bootstrap: str | None,
     config: str | None,
@@ -103,12 +108,17 @@ def worker(
 ) -> None:
     """Run a worker: publish an engine's KV-cache events to Kafka (DESIGN.md §3).
 
-    --engine zmq bridges a vLLM or SGLang KV-event publisher; --engine synthetic runs the
-    built-in tiered block pool (needs torch) on a seeded workload with shared prefixes."""
+    --engine vllm|sglang|zmq bridges an engine's KV-event publishers (docs/ENGINES.md);
+    --engine synthetic runs the built-in tiered block pool (needs torch) on a seeded
+    workload with shared prefixes."""
     if engine == "synthetic" and disk_blocks and disk_dir is None:
         raise click.UsageError("--disk-blocks needs --disk-dir")
-    if engine == "zmq" and not endpoint:
-        raise click.UsageError("--engine zmq needs --endpoint (the engine's KV-event PUB address)")
+    if engine != "synthetic" and not endpoints:
+        raise click.UsageError(f"--engine {engine} needs --endpoint (the engine's KV-event PUB address)")
+    if replay_endpoints and len(replay_endpoints) != len(endpoints):
+        raise click.UsageError(
+            f"{len(replay_endpoints)} --replay-endpoint for {len(endpoints)} --endpoint: give one per endpoint, or none"
+        )
     flags = {
         "mode": mode,
         "lease_ms": lease_ms,
@@ -116,6 +126,8 @@ def worker(
         "linger_ms": linger_ms,
         "queue_full": queue_full,
         "metrics_port": metrics_port,
+        "state_dir": str(state_dir) if state_dir is not None else None,
+        "checkpoint_s": checkpoint_s,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
@@ -143,32 +155,39 @@ def worker(
         )
         return
     try:
-        publisher = KafkaPublisher(settings, options)
-    except (PublisherError, KafkaConfigError) as exc:
-        raise click.ClickException(f"cannot start the publisher: {exc}") from None
-    consolidator = Consolidator(publisher, Mode(ws.mode))
-    bridge = ZmqEngineBridge(
-        BridgeOptions(
-            endpoint=endpoint,
-            replay_endpoint=replay_endpoint,
+        bridge_options = BridgeOptions(
+            endpoints=tuple(
+                Endpoint(ep, replay_endpoints[i] if replay_endpoints else None, dp_rank + i)
+                for i, ep in enumerate(endpoints)
+            ),
             topic=topic.encode(),
-            default_dp_rank=dp_rank,
-        ),
-        consolidator,
+            flavour=Flavour.AUTO if engine == "zmq" else Flavour(engine),
+            block_size=block_size or settings.router.block_size,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    node_options = EngineNodeOptions(
+        options, bridge_options, Mode(ws.mode), Path(ws.state_dir) if ws.state_dir else None, ws.checkpoint_s
     )
+    try:
+        node = EngineNode(settings, node_options)
+    except (PublisherError, KafkaConfigError, BridgeStateError) as exc:
+        raise click.ClickException(f"cannot start the worker: {exc}") from None
     left = 0
     try:
-        bridge.connect()
+        node.start()
         if ws.metrics_port:
-            serve_metrics(ws.metrics_port, WorkerCollector(publisher, consolidator, bridge), metrics_addr)
-        log.info("worker_started", worker_id=worker_id, epoch=publisher.epoch, endpoint=endpoint, mode=ws.mode)
-        run_zmq_worker(publisher, consolidator, bridge, stop)
+            serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
+        log.info(
+            "worker_started", worker_id=worker_id, epoch=node.publisher.epoch, endpoints=list(endpoints),
+            engine=engine, mode=ws.mode,
+        )
+        node.run(stop)
     except (PublisherError, EngineBridgeError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        bridge.close()
-        left = publisher.close()
-        log.info("worker_stopped", worker_id=worker_id, batches=publisher.stats.batches, undelivered=left)
+        left = node.close()
+        log.info("worker_stopped", worker_id=worker_id, batches=node.publisher.stats.batches, undelivered=left)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")
 

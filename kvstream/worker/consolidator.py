@@ -17,11 +17,14 @@ Not thread-safe: one thread feeds it (the worker loop serializes the sources).
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
+
+import msgpack
 
 from kvstream.events.model import Tier
 from kvstream.hashing import sequence_hashes
@@ -53,8 +56,6 @@ class Anomaly(str, Enum):
     #: Stored event reusing a source hash (or, in dedup, a published hash) that already
     #: names a different block: rejected whole.
     HASH_CONFLICT = "hash_conflict"
-    #: The source stores a block it already holds: that block is skipped.
-    DUPLICATE_STORE = "duplicate_store"
     #: The source removes a block it does not hold: that hash is skipped.
     UNKNOWN_REMOVE = "unknown_remove"
     #: On replay, a block whose parent is no longer held cannot be expressed as a valid
@@ -77,13 +78,48 @@ class RouterEventWriter(Protocol):
 
     def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None: ...
 
-    def cleared(self, dp_rank: int) -> None: ...
+    def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None: ...
 
 
 class StateSource(Protocol):
     """Something that can describe everything it holds as ``stored`` events."""
 
     def replay(self, writer: RouterEventWriter) -> None: ...
+
+
+def _pack_rank(st: _RankState) -> bytes:
+    seqs = list(st.blocks)
+    vals = st.blocks.values()
+    return msgpack.packb(
+        {
+            "seq": array("Q", seqs).tobytes(),
+            "root": bytes(b[_PARENT] is None for b in vals),
+            "parent": array("Q", [b[_PARENT] or 0 for b in vals]).tobytes(),
+            "tokens": array("Q", [b[_TOKENS] for b in vals]).tobytes(),
+            "first": array("Q", [b[_FIRST] for b in vals]).tobytes(),
+            # Insertion order kept: a clear drops a source's blocks newest first.
+            "sources": {t.value: (array("Q", m).tobytes(), array("Q", m.values()).tobytes()) for t, m in st.sources.items()},
+        }
+    )
+
+
+def _unpack_rank(data: bytes, dedup: bool) -> _RankState:
+    def q(b: bytes) -> list[int]:
+        a = array("Q")
+        a.frombytes(b)
+        return a.tolist()
+
+    d = msgpack.unpackb(data)
+    parents = [None if root else p for root, p in zip(d["root"], q(d["parent"]))]
+    st = _RankState()
+    st.blocks = dict(zip(q(d["seq"]), zip(parents, q(d["tokens"]), q(d["first"]))))
+    for tier, (hashes, seqs) in d["sources"].items():
+        src, mine = st.source(Tier(tier))
+        src.update(zip(q(hashes), q(seqs)))
+        mine.update(zip(q(seqs), q(hashes)))
+    if dedup:
+        st.first = {b[_FIRST]: s for s, b in st.blocks.items()}
+    return st
 
 
 # A block of one rank, keyed by its sequence hash, is the plain tuple
@@ -125,6 +161,9 @@ class Consolidator:
         self._ranks: dict[int, _RankState] = {}
         #: Count of rejected/skipped input by reason.
         self.anomalies: Counter[Anomaly] = Counter()
+        #: Blocks a source stored again while holding them (an engine re-announcing its
+        #: cached prefixes, e.g. vLLM's kv_cache_report_mode="full"): normal, not applied.
+        self.reannounced: Counter[Tier] = Counter()
 
     # ------------------------------------------------------------------ queries
 
@@ -255,11 +294,7 @@ class Consolidator:
         if out_hashes:
             self._writer.stored(ev.dp_rank, tier, run_parent, out_hashes, out_tokens)
         if duplicates:
-            self._anomaly(
-                Anomaly.DUPLICATE_STORE,
-                f"{source.value} rank {ev.dp_rank} stored {duplicates} blocks it already held",
-                duplicates,
-            )
+            self.reannounced[source] += duplicates
 
     def _published_parent(self, st: _RankState, source: Tier, parent_seq: int | None) -> int | None:
         """The hash under which the routers know the parent block (None: a root)."""
@@ -313,12 +348,39 @@ class Consolidator:
         out, _ = self._drop(st, ev.source, list(reversed(src)))
         if not out:
             return
-        if self.block_count() == 0:
-            # Nothing is left anywhere: one ``cleared`` (it wipes every rank and tier
-            # of this worker on the routers) says it more compactly than the list.
-            self._writer.cleared(ev.dp_rank)
+        tier = Tier.DEVICE if self._dedup else ev.source
+        if not self._dedup or not st.blocks:
+            # Nothing is left on that tier of that rank: one ``cleared`` (the routers
+            # scope it to the rank and tier) says it more compactly than the list.
+            self._writer.cleared(ev.dp_rank, tier)
         else:
-            self._writer.removed(ev.dp_rank, Tier.DEVICE if self._dedup else ev.source, out)
+            self._writer.removed(ev.dp_rank, tier, out)
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(self, dp_rank: int, source: Tier, block_hash: int) -> tuple[int | None, int] | None:
+        """What ``source`` knows of its block ``block_hash``: (the source's hash of its
+        parent, None for a root or a parent it no longer holds; the tokens hash), or
+        None when it does not hold it."""
+        st = self._ranks.get(dp_rank)
+        src = st.sources.get(source) if st else None
+        seq = src.get(block_hash) if src else None
+        if seq is None:
+            return None
+        assert st is not None
+        parent_seq, tokens, _ = st.blocks[seq]
+        parent = None if parent_seq is None else st.held[source].get(parent_seq)
+        return parent, tokens
+
+    # ------------------------------------------------------------------ state
+
+    def dump_state(self) -> dict[int, bytes]:
+        """Everything held, per rank, as bytes (:meth:`load_state` reads them back)."""
+        return {rank: _pack_rank(st) for rank, st in self._ranks.items()}
+
+    def load_state(self, state: dict[int, bytes]) -> None:
+        """Replace what is held by a :meth:`dump_state` (publishes nothing)."""
+        self._ranks = {rank: _unpack_rank(data, self._dedup) for rank, data in state.items()}
 
     # ------------------------------------------------------------------ replay
 

@@ -48,3 +48,7 @@ class ControlTopicError(PublisherError):
 
 class EngineBridgeError(RuntimeError):
     """An engine bridge that cannot start (bad endpoint, unsupported engine)."""
+
+
+class BridgeStateError(RuntimeError):
+    """The bridge's saved state cannot be used (another worker's, unreadable, locked)."""

@@ -60,6 +60,14 @@ class WorkerCollector(Collector):
         for reason in Anomaly:
             anomalies.add_metric([reason.value], self._consolidator.anomalies[reason])
         yield anomalies
+        reannounced = CounterMetricFamily(
+            "kvstream_worker_blocks_reannounced",
+            "Blocks a source stored again while holding them (re-announced cached prefixes), by source tier",
+            labels=["tier"],
+        )
+        for tier, n in sorted(self._consolidator.reannounced.items()):
+            reannounced.add_metric([tier.value], n)
+        yield reannounced
         if self._bridge is not None:
             b = self._bridge
             yield CounterMetricFamily("kvstream_worker_engine_messages", "Engine messages handled", value=b.stats.messages)

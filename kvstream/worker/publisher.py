@@ -28,6 +28,7 @@ Single-threaded: the worker loop calls the writer methods, :meth:`~KafkaPublishe
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import EventError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import STATUS_HEADER, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
@@ -242,6 +243,14 @@ class ControlListener:
         self._consumer.close()
 
 
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """An epoch and the next event id of each rank in it."""
+
+    epoch: int
+    next_ids: Mapping[int, int]
+
+
 class _Pending:
     """An event being built: merged with its successors until the batch is cut."""
 
@@ -261,7 +270,14 @@ class KafkaPublisher:
     Kafka. Construction starts the first epoch (its ``cleared`` goes out with the first
     batch); :meth:`close` flushes and releases the clients."""
 
-    def __init__(self, settings: Settings, options: PublisherOptions, *, codec: EventCodec | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        options: PublisherOptions,
+        *,
+        codec: EventCodec | None = None,
+        resume: ResumePoint | None = None,
+    ) -> None:
         self.options = options
         self.worker_id = options.worker_id
         self._codec = codec or EventCodec()
@@ -292,7 +308,21 @@ class KafkaPublisher:
         #: Why no more events are taken (closed, or a fatal producer error); None: open.
         self._stopped: str | None = None
         self._released = False
-        self._start_epoch()
+        #: Counts of engine input the worker could not apply, sent as a header
+        #: (STATUS_HEADER) on every batch while non-empty; set by the worker.
+        self.status: dict[str, int] = {}
+        if resume is None:
+            self._start_epoch()
+        else:
+            # The same incarnation goes on (a bridge restarted after a clean stop): no
+            # ``cleared``, event ids continue where the last acknowledged batch left them.
+            self.epoch = resume.epoch
+            self._next_id = dict(resume.next_ids)
+
+    def position(self) -> ResumePoint:
+        """Where this incarnation stands, for a later :class:`ResumePoint` (exact only
+        after :meth:`flush` returned 0)."""
+        return ResumePoint(self.epoch, dict(self._next_id))
 
     # ------------------------------------------------------------------ writer
 
@@ -347,9 +377,9 @@ class KafkaPublisher:
             self._pending_blocks += len(piece)
             self._maybe_cut()
 
-    def cleared(self, dp_rank: int) -> None:
+    def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None:
         self._check_open()
-        self._add(_Pending(Cleared, dp_rank, Tier.DEVICE, None, [], []))
+        self._add(_Pending(Cleared, dp_rank, tier, None, [], []))
         self._maybe_cut()
 
     def _add(self, pending: _Pending) -> None:
@@ -402,7 +432,8 @@ class KafkaPublisher:
         waited_since: float | None = None
         while True:
             try:
-                producer.produce(self._topic, value=value, key=self._key, on_delivery=callback)
+                headers = [(STATUS_HEADER, json.dumps(self.status).encode())] if self.status else None
+                producer.produce(self._topic, value=value, key=self._key, on_delivery=callback, headers=headers)
                 break
             except KafkaException as exc:
                 # Refused before queueing (e.g. the topic is known not to exist): a

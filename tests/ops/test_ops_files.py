@@ -336,12 +336,12 @@ def worker_metrics(kafka_topics: Settings) -> Iterator[list[Exposed]]:
     from kvstream.worker.consolidator import Consolidator
     from kvstream.worker.metrics import WorkerCollector
     from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-    from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
+    from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, ZmqEngineBridge
 
     publisher = KafkaPublisher(kafka_topics, PublisherOptions(worker_id=7))
     try:
         consolidator = Consolidator(publisher)
-        bridge = ZmqEngineBridge(BridgeOptions(endpoint="tcp://127.0.0.1:1"), consolidator)
+        bridge = ZmqEngineBridge(BridgeOptions((Endpoint("tcp://127.0.0.1:1"),)), consolidator)
         families = list(WorkerCollector(publisher, consolidator, bridge).collect())
     finally:
         publisher.close()

@@ -33,8 +33,8 @@ class FakeWorkerLog:
         self.next_id[rank] = i + 1
         return i
 
-    def cleared(self, rank: int = 0) -> Cleared:
-        return Cleared(self.worker_id, rank, Tier.DEVICE, self.epoch, self._id(rank))
+    def cleared(self, rank: int = 0, tier: Tier = Tier.DEVICE) -> Cleared:
+        return Cleared(self.worker_id, rank, tier, self.epoch, self._id(rank))
 
     def stored(self, tokens: list[int], rank: int = 0, tier: Tier = Tier.DEVICE, start_block: int = 0) -> Stored:
         local, seq = block_hashes(tokens)

@@ -94,14 +94,16 @@ def test_lease_expiry_in_log_time_per_partition() -> None:
     assert set(device_match(fold)) == {WorkerKey(2, 0)}
 
 
-def test_cleared_from_any_rank_wipes_every_rank() -> None:
+def test_cleared_wipes_its_rank_and_tier_only() -> None:
     fold = new_fold()
     w = FakeWorkerLog(5, ranks=2)
     fold.apply_record(0, 0, 1, w.batch(w.cleared(0), w.cleared(1), w.stored(TOKENS, 0), w.stored(TOKENS, 1, Tier.HOST_PINNED)))
     m = fold.router.index.find_matches_by_tier(local_hashes(TOKENS))
     assert m == {WorkerKey(5, 0): TierOverlap(8, 0, 0, 0), WorkerKey(5, 1): TierOverlap(0, 8, 0, 0)}
-    fold.apply_record(0, 1, 2, w.batch(w.cleared(1)))
-    assert fold.router.index.find_matches_by_tier(local_hashes(TOKENS)) == {}
+    fold.apply_record(0, 1, 2, w.batch(w.cleared(1)))  # rank 1's device tier: nothing there
+    assert fold.router.index.find_matches_by_tier(local_hashes(TOKENS)) == m
+    fold.apply_record(0, 2, 3, w.batch(w.cleared(1, Tier.HOST_PINNED)))
+    assert fold.router.index.find_matches_by_tier(local_hashes(TOKENS)) == {WorkerKey(5, 0): TierOverlap(8, 0, 0, 0)}
 
 
 def test_same_records_same_state_whatever_the_partition_interleaving() -> None:

@@ -33,9 +33,8 @@ class ReferenceIndex:
         key = WorkerKey(ev.worker_id, ev.dp_rank)
         self.known.add(key)
         if isinstance(ev, Cleared):
-            for (tier, k), held in self.blocks.items():
-                if k.worker_id == ev.worker_id:
-                    held.clear()
+            # Scoped to the rank and tier that sent it (DESIGN §2).
+            self.blocks.get((ev.tier, key), {}).clear()
             return
         held = self.blocks.setdefault((ev.tier, key), {})
         if isinstance(ev, Removed):

@@ -66,7 +66,14 @@ def test_aliases_cleared_and_removed_workers() -> None:
     idx.apply(Removed(1, 0, Tier.DEVICE, 0, 0, (1, 2)))
     assert idx.find_matches_by_tier(PROMPT) == {WorkerKey(1, 0): TierOverlap(device=2)}
     idx.apply(stored(1, Tier.DEVICE, [7], PROMPT[:1], rank=1))
-    idx.apply(Cleared(1, 1, Tier.DEVICE, 1, 0))  # any rank clears every rank
+    idx.apply(stored(1, Tier.HOST_PINNED, [8], PROMPT[:1], rank=1))
+    idx.apply(Cleared(1, 1, Tier.DEVICE, 1, 0))  # rank 1's device tier only
+    assert idx.find_matches_by_tier(PROMPT) == {
+        WorkerKey(1, 0): TierOverlap(device=2),
+        WorkerKey(1, 1): TierOverlap(host_pinned=1),
+    }
+    idx.apply(Cleared(1, 1, Tier.HOST_PINNED, 1, 0))
+    idx.apply(Cleared(1, 0, Tier.DEVICE, 1, 0))
     assert idx.find_matches_by_tier(PROMPT) == {}
     assert idx.workers() == [WorkerKey(1, 0), WorkerKey(1, 1)]
     assert idx.remove_worker(1) == [WorkerKey(1, 0), WorkerKey(1, 1)]

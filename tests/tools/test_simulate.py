@@ -114,7 +114,7 @@ class Writer:
     def removed(self, dp_rank, tier, block_hashes) -> None:  # type: ignore[no-untyped-def]
         pass
 
-    def cleared(self, dp_rank) -> None:  # type: ignore[no-untyped-def]
+    def cleared(self, dp_rank, tier=None) -> None:  # type: ignore[no-untyped-def]
         pass
 
 

@@ -109,7 +109,7 @@ def test_pool_events_apply_cleanly_in_the_consolidator(tmp_path, mode):
         def removed(self, dp_rank, tier, block_hashes) -> None:
             calls.append(f"removed:{tier.value}")
 
-        def cleared(self, dp_rank) -> None:
+        def cleared(self, dp_rank, tier=None) -> None:
             calls.append("cleared")
 
     consolidator = Consolidator(CountingWriter(), Mode(mode))

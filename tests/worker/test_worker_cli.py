@@ -164,3 +164,21 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     # 40 prompts of up to 10 blocks overflow G1 (64 blocks): blocks went down the tiers.
     assert 0 < sizes[key]["device"] <= 64
     assert sizes[key]["host_pinned"] > 0
+
+
+def test_replay_endpoints_pair_with_endpoints():
+    result = CliRunner().invoke(
+        cli,
+        ["worker", "--engine", "vllm", "--worker-id", "1", "--endpoint", "tcp://x:1", "--endpoint", "tcp://x:2",
+         "--replay-endpoint", "tcp://x:9"],
+    )
+    assert result.exit_code == 2
+    assert "1 --replay-endpoint for 2 --endpoint" in result.output
+
+
+def test_endpoints_must_differ():
+    result = CliRunner().invoke(
+        cli, ["worker", "--engine", "sglang", "--worker-id", "1", "--endpoint", "tcp://x:1", "--endpoint", "tcp://x:1"]
+    )
+    assert result.exit_code == 2
+    assert "engine endpoints repeat" in result.output

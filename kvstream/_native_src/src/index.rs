@@ -283,6 +283,14 @@ impl IndexCore {
         }
     }
 
+    /// Forget every block of the slot on one tier; it stays in use: O(its blocks there).
+    fn clear_tier(&mut self, tier: usize, slot: usize) -> PyResult<()> {
+        check_tier(tier)?;
+        let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(()) };
+        self.tiers[tier].drop_slot(owners, tier, slot);
+        Ok(())
+    }
+
     /// Apply a stored event: 0 stored, 1 invalid (repeats its hashes or its parent),
     /// 2 parent not held by the slot on this tier. Nothing is applied unless 0.
     #[pyo3(signature = (tier, slot, parent, block_hashes, tokens_hashes))]

@@ -20,7 +20,7 @@ from kvstream.tools.bench.kafka_env import kafka_env
 from kvstream.tools.bench.wire import WireMeter, WireTotals
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
+from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, ZmqEngineBridge
 
 WORKER_ID = 1
 
@@ -34,15 +34,21 @@ def engine_frames(messages: int, blocks: int, block_size: int, capacity: int, se
     frames = []
     block_events = 0
     for seq in range(messages):
-        events: list[list[object]] = []
+        events: list[dict[str, object]] = []
         if (len(held) + 1) * blocks > capacity:
             evicted = held.pop(0)
-            events.append(["BlockRemoved", evicted[::-1], "GPU"])
+            events.append({"type": "BlockRemoved", "block_hashes": evicted[::-1], "medium": "GPU"})
             block_events += len(evicted)
         # Engine hashes are i64 on the wire, half of them negative.
         hashes = [rng.getrandbits(64) - (1 << 63) for _ in range(blocks)]
         tokens = [rng.randrange(152_064) for _ in range(blocks * block_size)]
-        events.append(["BlockStored", hashes, None, tokens, block_size, None, "GPU", None])
+        # As vLLM 0.33 encodes it (a msgspec tagged map; tests/engines checks the form).
+        events.append(
+            {
+                "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
+                "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None,
+            }
+        )
         block_events += blocks
         held.append(hashes)
         payload = msgpack.packb([time.time(), events, 0])
@@ -64,7 +70,7 @@ class _CountingWriter:
     def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None:
         self.blocks += len(block_hashes)
 
-    def cleared(self, dp_rank: int) -> None:
+    def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None:
         return None
 
 
@@ -160,7 +166,7 @@ def _run(
 ) -> dict[str, object]:
     # Without Kafka: parsing, hashing and consolidation alone.
     counter = _CountingWriter()
-    bridge = ZmqEngineBridge(BridgeOptions(endpoint="inproc://unused"), Consolidator(counter, mode))
+    bridge = ZmqEngineBridge(BridgeOptions((Endpoint("inproc://unused"),)), Consolidator(counter, mode))
     t0 = time.perf_counter()
     for f in frames:
         bridge.handle_frames(f)
@@ -174,7 +180,7 @@ def _run(
         PublisherOptions(worker_id=WORKER_ID, listen_control=False, producer_overrides={**overrides, **meter.config()}),
     )
     consolidator = Consolidator(publisher, mode)
-    bridge = ZmqEngineBridge(BridgeOptions(endpoint="inproc://unused"), consolidator)
+    bridge = ZmqEngineBridge(BridgeOptions((Endpoint("inproc://unused"),)), consolidator)
     poll_every = 64 if rate <= 0 else 1
     try:
         if publisher.flush(60):  # warm: connection, metadata, the epoch's first batch

@@ -101,8 +101,8 @@ class MemoryWriter:
         self._pending.append(Removed(self.worker_id, dp_rank, tier, self.epoch, self._id(dp_rank),
                                      tuple(block_hashes)))
 
-    def cleared(self, dp_rank: int) -> None:
-        self._pending.append(Cleared(self.worker_id, dp_rank, Tier.DEVICE, self.epoch, self._id(dp_rank)))
+    def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None:
+        self._pending.append(Cleared(self.worker_id, dp_rank, tier, self.epoch, self._id(dp_rank)))
 
     def cut(self) -> EventBatch | None:
         if not self._pending:
