@@ -152,7 +152,7 @@ class Router:
             and not mm
             and self.scheduler.config.with_overrides(overrides).policy == "kv"
         ):
-            return self._decide_in_core(token_ids, lora_name, request_id if track else None, overrides)
+            return self._decide_in_core(token_ids, lora_name, request_id, track, overrides)
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
         if isinstance(token_ids, bytes | bytearray | memoryview):  # packed LE u32 ids
@@ -186,20 +186,24 @@ class Router:
         token_ids: PromptTokens,
         lora_name: str | None,
         request_id: str | None,
+        track: bool,
         overrides: SchedulerOverrides | None,
         max_tokens: int | None = None,
     ) -> RouteDecision:
         assert isinstance(self.active, CoreActiveSequences)
         now = self.clock()
+        # The core adds the request when it gets an id; a query-only decision still
+        # names the id it was asked with, as on the Python path.
+        tracked_id = request_id if track else None
         schedule, seqs, isl = decide_in_core(
             self.index, self.active, self.scheduler, self.scheduler.config.with_overrides(overrides),
-            self.config.block_size, token_ids, lora_name, request_id, now, max_tokens,
+            self.config.block_size, token_ids, lora_name, tracked_id, now, max_tokens,
         )
         winner = schedule.candidates.workers[schedule.chosen]
         op = None
-        if request_id is not None and seqs is not None:
+        if tracked_id is not None and seqs is not None:
             cached = int(schedule.columns.cached_tokens[schedule.chosen])
-            op = AddRequest(request_id, winner.worker_id, winner.dp_rank, isl, cached, seqs, now)
+            op = AddRequest(tracked_id, winner.worker_id, winner.dp_rank, isl, cached, seqs, now)
         return RouteDecision(winner, request_id, isl, isl // self.config.block_size, schedule, op)
 
     def schedule_hashes(

@@ -200,5 +200,5 @@ def test_prompt_over_the_token_cap_is_rejected() -> None:
     r = Router(RouterConfig(block_size=BS))
     r.apply_event(Stored(1, 0, Tier.DEVICE, 0, 0, None, (1,), tuple(local_hashes([0, 0, 0, 0], BS))))
     with pytest.raises(ValueError, match="exceeds the limit of 8"):
-        r._decide_in_core(bytes(4 * 9), None, "x", None, max_tokens=8)
+        r._decide_in_core(bytes(4 * 9), None, "x", True, None, max_tokens=8)
     assert len(r.active) == 0
