@@ -49,6 +49,35 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# 
 
 # ---------------------------------------------------------------- jars
 
+# resolve_into DEST WHAT DEPENDENCIES_XML: the runtime closure of the given Maven
+# dependencies into DEST, resolved in a scratch folder and swapped in whole (with a
+# .complete mark), so that a half-done download is never used. Callers hold a lock.
+resolve_into() {
+    local dest=$1 what=$2 deps=$3 work="$1.tmp.$$"
+    rm -rf "$work" && mkdir -p "$work"
+    cat >"$work/pom.xml" <<EOF
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>kvstream.local</groupId>
+  <artifactId>$(basename "$dest")-runtime</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>$deps
+  </dependencies>
+</project>
+EOF
+    log "resolving $what"
+    if ! mvn -B -q -f "$work/pom.xml" dependency:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$work/jars" >"$work/mvn.log" 2>&1; then
+        tail -n 30 "$work/mvn.log" >&2
+        die "could not resolve $what from Maven (log above)"
+    fi
+    rm -rf "$dest"
+    mv "$work/jars" "$dest"
+    rm -rf "$work"
+    touch "$dest/.complete"
+}
+
 fetch() {
     [[ -f "$LIBS/.complete" && (-f "$ARCHIVE" || -n "${ARCHIVING:-}") ]] && return 0
     command -v mvn >/dev/null || die "mvn not found: install Maven (Debian package maven) to fetch Kafka"
@@ -59,16 +88,8 @@ fetch() {
     exec 9>"$base/.lock"
     flock 9
     if [[ ! -f "$LIBS/.complete" ]]; then
-        local t0=$SECONDS work="$base/libs.tmp.$$"
-        rm -rf "$work" && mkdir -p "$work"
-        cat >"$work/pom.xml" <<EOF
-<project xmlns="http://maven.apache.org/POM/4.0.0">
-  <modelVersion>4.0.0</modelVersion>
-  <groupId>kvstream.local</groupId>
-  <artifactId>kafka-runtime</artifactId>
-  <version>1</version>
-  <packaging>pom</packaging>
-  <dependencies>
+        local t0=$SECONDS
+        resolve_into "$LIBS" "org.apache.kafka:$SCALA_ARTIFACT:$KAFKA_VERSION and its runtime dependencies" "
     <dependency>
       <groupId>org.apache.kafka</groupId>
       <artifactId>$SCALA_ARTIFACT</artifactId>
@@ -78,21 +99,7 @@ fetch() {
       <groupId>org.apache.logging.log4j</groupId>
       <artifactId>log4j-slf4j-impl</artifactId>
       <version>$LOG4J_VERSION</version>
-    </dependency>
-  </dependencies>
-</project>
-EOF
-        log "resolving org.apache.kafka:$SCALA_ARTIFACT:$KAFKA_VERSION and its runtime dependencies"
-        if ! mvn -B -q -f "$work/pom.xml" dependency:copy-dependencies \
-            -DincludeScope=runtime -DoutputDirectory="$work/jars" >"$work/mvn.log" 2>&1; then
-            tail -n 30 "$work/mvn.log" >&2
-            die "could not resolve Kafka $KAFKA_VERSION from Maven (log above)"
-        fi
-        # Swap the finished folder in, so that a half-done download is never used.
-        rm -rf "$LIBS"
-        mv "$work/jars" "$LIBS"
-        rm -rf "$work"
-        touch "$LIBS/.complete"
+    </dependency>"
         log "fetched $(find "$LIBS" -name '*.jar' | wc -l) jars in $((SECONDS - t0)) s into $LIBS"
     fi
     if [[ ! -f "$ARCHIVE" && -z "${ARCHIVING:-}" ]]; then
@@ -134,38 +141,16 @@ TOOLS="$CACHE_ROOT/kafka/$KAFKA_VERSION/tools"
 fetch_tools() {
     [[ -f "$TOOLS/.complete" ]] && return 0
     fetch
-    local base="$CACHE_ROOT/kafka/$KAFKA_VERSION" work
+    local base="$CACHE_ROOT/kafka/$KAFKA_VERSION"
     exec 8>"$base/.tools.lock"
     flock 8
     if [[ ! -f "$TOOLS/.complete" ]]; then
-        work="$base/tools.tmp.$$"
-        rm -rf "$work" && mkdir -p "$work"
-        cat >"$work/pom.xml" <<EOF
-<project xmlns="http://maven.apache.org/POM/4.0.0">
-  <modelVersion>4.0.0</modelVersion>
-  <groupId>kvstream.local</groupId>
-  <artifactId>kafka-tools-runtime</artifactId>
-  <version>1</version>
-  <packaging>pom</packaging>
-  <dependencies>
+        resolve_into "$TOOLS" "org.apache.kafka:kafka-tools:$KAFKA_VERSION" "
     <dependency>
       <groupId>org.apache.kafka</groupId>
       <artifactId>kafka-tools</artifactId>
       <version>$KAFKA_VERSION</version>
-    </dependency>
-  </dependencies>
-</project>
-EOF
-        log "resolving org.apache.kafka:kafka-tools:$KAFKA_VERSION"
-        if ! mvn -B -q -f "$work/pom.xml" dependency:copy-dependencies \
-            -DincludeScope=runtime -DoutputDirectory="$work/jars" >"$work/mvn.log" 2>&1; then
-            tail -n 30 "$work/mvn.log" >&2
-            die "could not resolve kafka-tools $KAFKA_VERSION from Maven (log above)"
-        fi
-        rm -rf "$TOOLS"
-        mv "$work/jars" "$TOOLS"
-        rm -rf "$work"
-        touch "$TOOLS/.complete"
+    </dependency>"
     fi
     flock -u 8
     exec 8>&-
