@@ -70,7 +70,7 @@ class PrefillRates:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = alpha
-        #: worker → (decayed tokens, decayed seconds less the decode delay)
+        #: worker → (decayed tokens, decayed seconds less the decode slowdown)
         self._sums: dict[WorkerKey, tuple[float, float]] = {}
         #: decayed Σ x·residual and Σ x², x = tokens·decode_blocks (the slowdown's regression)
         self._slowdown_sums = (0.0, 0.0)
