@@ -22,7 +22,7 @@ use crate::{chain, sequence_of};
 /// Keys are hashes (or small engine ids): one splitmix64 finalizer spreads them well
 /// enough for the table and costs a few ns, against SipHash's tens.
 #[derive(Default)]
-struct MixHasher(u64);
+pub(crate) struct MixHasher(u64);
 
 impl Hasher for MixHasher {
     fn finish(&self) -> u64 {
@@ -41,7 +41,7 @@ impl Hasher for MixHasher {
     }
 }
 
-type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
+pub(crate) type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
 
 const TIERS: usize = 4;
 /// Per tier, the bitmask of the slots (of one group of 64) holding a position.

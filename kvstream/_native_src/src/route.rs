@@ -8,14 +8,14 @@
 //! arithmetic below follows the reference's order of operations exactly (no reassociation,
 //! no fused multiply-add), and the draw walks the probabilities as `_draw` does.
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::index::IndexCore;
+use crate::index::{IndexCore, Map};
 use crate::{local_hashes_of, sequence_of, token_error, tokens_from_list};
 
 type Key = (i64, i64);
@@ -83,13 +83,13 @@ struct Req {
 struct Load {
     prefill: i64,
     /// sequence hash → running requests holding it (shared blocks counted once).
-    blocks: HashMap<u64, u32>,
+    blocks: Map<u64, u32>,
     requests: i64,
 }
 
 /// Length of the prefix of `seqs` that `blocks` holds. The blocks of running requests
 /// are prefix-closed (each holds its whole chain), so the held part is a prefix.
-fn held_prefix(blocks: &HashMap<u64, u32>, seqs: &[u64]) -> usize {
+fn held_prefix(blocks: &Map<u64, u32>, seqs: &[u64]) -> usize {
     let n = seqs.len();
     if n == 0 || !blocks.contains_key(&seqs[0]) {
         return 0;
@@ -127,8 +127,8 @@ struct Weights {
 #[pyclass(module = "kvstream._native")]
 pub struct ActiveCore {
     ttl: f64,
-    requests: HashMap<String, Req>,
-    loads: HashMap<Key, Load>,
+    requests: Map<String, Req>,
+    loads: Map<Key, Load>,
     expiry: BinaryHeap<Reverse<(Stamp, u64, String)>>,
     serial: u64,
 }
@@ -342,7 +342,7 @@ impl ActiveCore {
         if !(ttl_s > 0.0) {
             return Err(PyValueError::new_err(format!("ttl_s must be > 0, got {ttl_s}")));
         }
-        Ok(ActiveCore { ttl: ttl_s, requests: HashMap::new(), loads: HashMap::new(), expiry: BinaryHeap::new(), serial: 0 })
+        Ok(ActiveCore { ttl: ttl_s, requests: Map::default(), loads: Map::default(), expiry: BinaryHeap::new(), serial: 0 })
     }
 
     fn __len__(&self) -> usize {
