@@ -14,6 +14,7 @@ mod avro_check;
 mod event_encode;
 mod index;
 mod route;
+mod table;
 
 /// Seed of the chained sequence hash (and of local hashes without LoRA).
 const CHAIN_SEED: u64 = 1337;
