@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::table::Table;
-use crate::{chain, sequence_of};
+use crate::{chain, sequence_of, u64_at};
 
 /// Keys are hashes (or small engine ids): one splitmix64 finalizer spreads them well
 /// enough for the table and costs a few ns, against SipHash's tens.
@@ -405,7 +405,7 @@ impl IndexCore {
         let mut seqs: Vec<u64> = Vec::with_capacity(hashes.len());
         let mut fill = |seqs: &mut Vec<u64>, end: usize| -> PyResult<()> {
             while seqs.len() < end {
-                let h = hashes.get_item(seqs.len())?.extract::<u64>()?;
+                let h = u64_at(hashes, seqs.len())?;
                 seqs.push(match seqs.last() {
                     Some(&prev) if !chained => chain(prev, h),
                     _ => h, // a sequence hash, or the first block (seq = local)
