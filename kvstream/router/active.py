@@ -15,7 +15,7 @@ from collections import Counter
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from kvstream.events.codec import unpack_u64
 from kvstream.router.errors import DuplicateRequestError, UnknownRequestError
@@ -42,7 +42,13 @@ class PackedHashes(Sequence[int]):
     def __len__(self) -> int:
         return len(self.data) // 8
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # Sequence's int/slice overloads
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
         return unpack_u64(self.data)[i]
 
     def __iter__(self) -> Iterator[int]:
