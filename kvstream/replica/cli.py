@@ -82,6 +82,8 @@ def server_config(app: object, settings: Settings, limits: HttpLimits, on_reject
     limits = replace(limits, max_connections=fit_connections(limits.max_connections))
     return uvicorn.Config(
         app, host=r.host, port=r.port, log_level="warning",
+        # No access log: a line per request would cost more than a routing decision.
+        access_log=False,
         http=guarded_protocol(limits, on_reject),
         # A second fence behind the protocol's own cap (which evicts before refusing).
         limit_concurrency=limits.max_connections + 1,
