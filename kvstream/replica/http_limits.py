@@ -92,7 +92,9 @@ class BodyLimit:
             if done:  # after the body: e.g. waiting for a disconnect while streaming
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
+                # A timeout scope, not wait_for: no task per message.
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
             except TimeoutError:
                 raise _Refused(408, "body_timeout", f"request body not received within {self.limits.body_timeout_s}s") from None
             if message["type"] == "http.request":
