@@ -117,6 +117,9 @@ def create_app(
     app = FastAPI(
         title="kvstream replica", version="1", lifespan=lifespan,
         docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+        # The replica reports by Prometheus metrics and its own logs; FastAPI's OpenTelemetry
+        # hooks would look for a provider on every request (a tenth of a route's cost).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     metrics = replica.metrics
     app.add_middleware(BodyLimit, limits=limits, on_reject=lambda limit: metrics.http_rejected.labels(limit=limit).inc())
