@@ -18,6 +18,7 @@ instead (JSON only; the Python client is itself a limit). Latency is the client'
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import threading
 import time
@@ -223,6 +224,7 @@ def http_bench(
 ) -> None:
     """POST /v1/route requests/s and latency (closed loop), p99 at half that rate (open
     loop), vs. in-process Replica.route in the same run."""
+    load_start = os.getloadavg()[0]
     if load_generator == "wrk":
         ensure_wrk()  # before the minutes of setup
         if open_loop:
@@ -257,6 +259,8 @@ def http_bench(
             "load_generator": load_generator,
             **({"requests": n_requests} if load_generator == "python" else {}),
             **result,
+            # Other jobs on the machine share its cores with the server and the clients.
+            "load_average_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         },
         as_json,
     )
@@ -334,13 +338,19 @@ def _measure_wrk(
                     raise click.ClickException(f"{ctype} answer differs from in-process: {got.text[:200]}")
         for name, (path, ctype, bodies) in formats.items():
             click.echo(f"wrk: {connections} connections, {duration:g}s of {name} bodies...", err=True)
+            # This process's CPU time while it only serves (wrk is another process): the
+            # server's cost per request, which other jobs on the machine do not inflate
+            # as they do latency.
+            cpu0 = time.process_time()
             r = run_wrk(server.url, path, bodies, ctype, connections, min(connections, 2), duration)
+            cpu = time.process_time() - cpu0
             base_rate = in_process["list" if name == "json" else "bytes"][0]
             out |= {
                 f"{name}_requests_per_s": r["requests_per_s"],
                 f"{name}_p50_us": r["p50_us"],
                 f"{name}_p99_us": r["p99_us"],
                 f"{name}_requests": r["requests"],
+                f"{name}_server_cpu_us_per_request": round(cpu / r["requests"] * 1e6),
                 f"{name}_http_to_in_process_ratio": round(r["requests_per_s"] / base_rate, 3),
             }
         if open_loop:
