@@ -201,6 +201,10 @@ class Server:
     help="After wrk, oha (compiled; built with cargo install when absent) sends each format "
     "at a fixed rate, half wrk's, for the p99 at that rate.",
 )
+@click.option(
+    "--open-loop-rate", type=click.FloatRange(min=1), default=None,
+    help="Requests/s of the open loop, every format [default: half what wrk reached for it].",
+)
 @click.option("--open-loop-connections", default=32, show_default=True, help="oha's connections (at most).")
 @click.option("--partitions", default=12, show_default=True)
 @click.option("--timeout", default=600.0, show_default=True)
@@ -216,6 +220,7 @@ def http_bench(
     load_generator: str,
     duration: float,
     open_loop: bool,
+    open_loop_rate: float | None,
     open_loop_connections: int,
     partitions: int,
     timeout: float,
@@ -243,7 +248,9 @@ def http_bench(
         try:
             wait_settled(replica, settings, timeout, "replica folding the log")
             if load_generator == "wrk":
-                result = _measure_wrk(replica, settings, prompts, clients, duration, open_loop, open_loop_connections)
+                result = _measure_wrk(
+                    replica, settings, prompts, clients, duration, open_loop, open_loop_rate, open_loop_connections
+                )
             else:
                 result = _measure(replica, settings, prompts, bodies, n_requests, clients, timeout)
         finally:
@@ -312,10 +319,12 @@ def _measure_wrk(
     connections: int,
     duration: float,
     open_loop: bool,
+    open_loop_rate: float | None,
     open_loop_connections: int,
 ) -> dict[str, Any]:
-    """wrk against the server for JSON and binary bodies, then oha at half wrk's rate;
-    the in-process decision rate (sequential, from lists and from bytes) in the same run."""
+    """wrk against the server for JSON and binary bodies, then oha (at half wrk's rate
+    unless ``open_loop_rate`` is given); the in-process decision rate (sequential, from
+    lists and from bytes) in the same run."""
     packed = [np.asarray(p, dtype="<u4").tobytes() for p in prompts]
     in_process = {}
     for name, inputs in (("list", prompts), ("bytes", packed)):
@@ -355,7 +364,7 @@ def _measure_wrk(
             }
         if open_loop:
             for name, (path, ctype, bodies) in formats.items():
-                rate = out[f"{name}_requests_per_s"] / 2
+                rate = open_loop_rate or out[f"{name}_requests_per_s"] / 2
                 # oha reads one body per line: JSON bodies cycle, a binary prompt is sent alone.
                 sent = bodies if name == "json" else bodies[:1]
                 click.echo(f"oha: {rate:.0f} {name} requests/s for {duration:g}s (open loop)...", err=True)
