@@ -363,7 +363,10 @@ def _measure_wrk(
                 f"{name}_http_to_in_process_ratio": round(r["requests_per_s"] / base_rate, 3),
             }
         if open_loop:
-            for name, (path, ctype, bodies) in formats.items():
+            # Binary first: a JSON rate the server cannot keep up with (as a fixed
+            # --open-loop-rate may be) leaves a queue that would delay the next run.
+            for name in ("binary", "json"):
+                path, ctype, bodies = formats[name]
                 rate = open_loop_rate or out[f"{name}_requests_per_s"] / 2
                 # oha reads one body per line: JSON bodies cycle, a binary prompt is sent alone.
                 sent = bodies if name == "json" else bodies[:1]
