@@ -30,6 +30,7 @@ import msgspec
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -92,6 +93,30 @@ def unpack_parsed(parsed: tuple[RouteRequest, bytes] | list[dict[str, str]]) -> 
     if isinstance(parsed, list):
         raise InvalidRequest(parsed)
     return parsed
+
+
+def _with_route_schema(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI schema with ``POST /v1/route``, a plain Starlette route that FastAPI
+    does not describe: its bodies' schema from route_body's structs."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    (body, _), components = msgspec.json.schema_components(
+        [RouteRequest, RouteQuery], ref_template="#/components/schemas/{name}"
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+    query = components["RouteQuery"]["properties"]
+    schema["paths"]["/v1/route"] = {"post": {
+        "summary": "Route a request",
+        "description": "A JSON body, or the token ids as little-endian u32 (application/octet-stream) "
+        "with the other fields as query parameters (binary bodies only).",
+        "parameters": [{"name": k, "in": "query", "required": False, "schema": v} for k, v in query.items()],
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": body},
+            BINARY_PROMPT: {"schema": {"type": "string", "format": "binary"}},
+        }},
+        "responses": {"200": {"description": "The chosen worker"}, "422": {"description": "Invalid request"}},
+    }}
+    app.openapi_schema = schema
+    return schema
 
 
 def create_app(
@@ -222,7 +247,9 @@ def create_app(
             answer = await anyio.to_thread.run_sync(decide, parsed, limiter=route_threads())
         return Response(answer, media_type="application/json")
 
-    app.router.add_route("/v1/route", route, methods=["POST"])
+    app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
+    if docs:
+        app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
 
     @app.post("/v1/requests/{request_id}/prefill_done", dependencies=needs(Scope.CLIENT))
     def prefill_done(request_id: RequestId) -> dict[str, str]:

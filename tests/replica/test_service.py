@@ -116,6 +116,16 @@ def test_auth_health_ready_metrics_workers(served) -> None:
         assert name in text
 
 
+def test_openapi_describes_the_route_bodies(served) -> None:
+    replica, _ = served
+    doc = TestClient(create_app(replica, docs=True)).get("/openapi.json").json()
+    route = doc["paths"]["/v1/route"]["post"]
+    assert set(route["requestBody"]["content"]) == {"application/json", "application/octet-stream"}
+    assert "token_ids" in doc["components"]["schemas"]["RouteRequest"]["required"]
+    assert {p["name"] for p in route["parameters"]} >= {"request_id", "query_only", "policy"}
+    assert "/v1/workers" in doc["paths"]
+
+
 def test_route_refused_until_ready(served) -> None:
     replica, client = served
     replica._ready.clear()
