@@ -9,7 +9,7 @@ from kvstream.events.codec import AvroCodec, pack_u64, unpack_u64
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import U64_MAX
 from kvstream.replica.request_ids import is_safe, scoped, unscoped
-from kvstream.router.active import ActiveOp, AddRequest, FreeRequest, PrefillDone
+from kvstream.router.active import ActiveOp, AddRequest, FreeRequest, PackedHashes, PrefillDone
 
 ACTIVE_OP = "kvstream.active.ActiveOp"
 _I64_MAX = (1 << 63) - 1
@@ -38,7 +38,7 @@ class ActiveOpCodec:
                 dp_rank=op.dp_rank,
                 isl=op.isl,
                 overlap_tokens=op.overlap_tokens,
-                sequence_hashes=pack_u64(op.sequence_hashes),
+                sequence_hashes=seqs.data if isinstance(seqs := op.sequence_hashes, PackedHashes) else pack_u64(seqs),
             )
         else:
             record["kind"] = "PREFILL_DONE" if isinstance(op, PrefillDone) else "FREE"

@@ -13,16 +13,57 @@ import heapq
 import itertools
 from collections import Counter
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
+from kvstream.events.codec import unpack_u64
 from kvstream.router.errors import DuplicateRequestError, UnknownRequestError
 from kvstream.router.index import WorkerKey
 from kvstream.router.policy import PrefillRates
 
 #: Requests older than this are expired (reference: 300 s).
 DEFAULT_TTL_S = 300.0
+
+
+class PackedHashes(Sequence[int]):
+    """Sequence hashes as little-endian u64 bytes, as the compiled core returns them and
+    the ``kvstream.active`` record carries them: a routed request's 512 hashes become
+    Python ints only when something reads them. Equal to the tuple of its ints (and
+    hashes as it), so an op holding either compares the same."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) % 8:
+            raise ValueError(f"packed hashes of {len(data)} bytes: not a multiple of 8")
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data) // 8
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        return unpack_u64(self.data)[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(unpack_u64(self.data))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedHashes):
+            return self.data == other.data
+        return isinstance(other, tuple) and unpack_u64(self.data) == other
+
+    def __hash__(self) -> int:
+        return hash(unpack_u64(self.data))
+
+    def __repr__(self) -> str:
+        return f"PackedHashes({unpack_u64(self.data)!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +79,7 @@ class AddRequest:
     #: prefill load is ``max(isl − overlap_tokens, 0)``.
     overlap_tokens: int
     #: Sequence hashes of the prompt's full blocks: a chain, each including its prefix.
-    sequence_hashes: tuple[int, ...]
+    sequence_hashes: tuple[int, ...] | PackedHashes
     #: Seconds (the router's clock) when the request was routed.
     timestamp: float
 

@@ -28,6 +28,7 @@ from kvstream.router.active import (
     ActiveOp,
     AddRequest,
     FreeRequest,
+    PackedHashes,
     PrefillDone,
     WorkerLoad,
 )
@@ -81,9 +82,10 @@ class CoreActiveSequences:
         """Apply one operation (same errors as ActiveSequences.apply)."""
         core = self.core
         if isinstance(op, AddRequest):
+            seqs = op.sequence_hashes
             if not core.add(
                 op.request_id, op.worker_id, op.dp_rank, op.isl, op.overlap_tokens,
-                list(op.sequence_hashes), op.timestamp,
+                seqs.data if isinstance(seqs, PackedHashes) else list(seqs), op.timestamp,
             ):
                 raise DuplicateRequestError(f"request {op.request_id!r} is already active")
         elif isinstance(op, PrefillDone):
@@ -135,7 +137,7 @@ def decide(
     request_id: str | None,
     now: float,
     max_tokens: int | None = None,
-) -> tuple[Schedule, tuple[int, ...] | None, int]:
+) -> tuple[Schedule, PackedHashes | None, int]:
     """One kv decision in the core: (schedule, the prompt's sequence hashes when the
     request was added as ``request_id``, prompt length in tokens).
 
@@ -192,5 +194,5 @@ def decide(
     schedule = Schedule(
         candidates, columns, tuple(np.frombuffer(probs, "<f8").tolist()), excluded, chosen, cfg
     )
-    return schedule, (tuple(seqs) if seqs is not None else None), isl
+    return schedule, (PackedHashes(seqs) if seqs is not None else None), isl
 

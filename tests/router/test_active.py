@@ -4,12 +4,17 @@ Python reference and the compiled core (kvstream.router.core) alike."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kvstream.events.codec import pack_u64
 from kvstream.hashing import sequence_hashes
+from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.router.active import (
     ActiveSequences,
     AddRequest,
     FreeRequest,
+    PackedHashes,
     PrefillDone,
     WorkerLoad,
 )
@@ -115,3 +120,34 @@ def test_remove_worker_drops_its_requests(Active: type) -> None:
     act.apply(add("c", WorkerKey(2, 0), 32, 0, OTHER, 1000))
     assert sorted(act.remove_worker(1)) == ["a", "b"]
     assert act.load(W0) is None and act.load(W1) is None and len(act) == 1
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=40), st.lists(st.integers(0, 2**64 - 1), max_size=40))
+def test_packed_hashes_are_the_tuple_of_their_ints(a: list[int], b: list[int]) -> None:
+    pa = PackedHashes(pack_u64(a))
+    assert (len(pa), list(pa), pa[::-1], pa == tuple(a), tuple(a) == pa) == (len(a), a, tuple(a[::-1]), True, True)
+    assert hash(pa) == hash(tuple(a))
+    assert (pa == tuple(b)) == (a == b) == (pa == PackedHashes(pack_u64(b)))
+    assert pa != a  # a list is not a tuple, as for tuples
+    if a:
+        assert (pa[0], pa[-1]) == (a[0], a[-1])
+    # An op holding packed hashes goes through the kvstream.active record unchanged.
+    op = AddRequest("replica-1/r", 1, 0, 16 * len(a), 0, pa, 1000.0)
+    codec = ActiveOpCodec()
+    assert codec.decode(codec.encode("replica-1", op)) == ("replica-1", op)
+
+
+def test_packed_hashes_of_a_partial_word_are_rejected() -> None:
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        PackedHashes(b"\x00" * 12)
+
+
+def test_packed_and_tuple_ops_load_alike(Active: type) -> None:  # noqa: N803
+    loads = []
+    for hashes in (CHAIN, PackedHashes(pack_u64(CHAIN))):
+        active = Active(clock=Clock())
+        active.apply(add("a", W0, 160, 0, hashes, 1000.0))
+        active.apply(add("b", W0, 64, 0, OTHER, 1000.0))
+        active.apply(FreeRequest("b", 1001.0))
+        loads.append((active.load(W0), active.loads_for([W0], CHAIN[:3] + OTHER[:1])))
+    assert loads[0] == loads[1] == [(WorkerLoad(160, 10, 1), [(True, 160, 10, 1, 1)])][0]

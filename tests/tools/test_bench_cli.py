@@ -35,6 +35,30 @@ def test_index_and_route_benches() -> None:
     assert r["route_p99_us"] >= r["route_p50_us"]
     for key in ("route_buffer_p50_us", "reference_route_p50_us", "decisions_speedup_vs_reference"):
         assert r[key] > 0, key
+    # Decisions beside a paced ingest of real records (kvstream/tools/bench/ingest_load.py).
+    assert r["ingest_records_rejected"] == 0
+    assert r["ingest_block_events_per_s"] > 0
+    assert r["route_under_ingest_p99_us"] >= r["route_under_ingest_p50_us"] > 0
+
+
+def test_churn_records_fold_to_one_fresh_chain_per_worker() -> None:
+    from kvstream.events.codec import EventCodec
+    from kvstream.events.model import Stored, Tier
+    from kvstream.replica.fold import LogFold
+    from kvstream.router import Router
+    from kvstream.tools.bench.ingest_load import CHAIN_BLOCKS, churn_records
+
+    router = Router()
+    workers = [(7, 0), (7, 1), (9, 0)]
+    for i, (wid, rank) in enumerate(workers):
+        router.apply_event(Stored(wid, rank, Tier.DEVICE, 0, i, None, (100 + i, 200 + i), (1, 2)))
+    before = {k: v[Tier.DEVICE] for k, v in router.index.tree_sizes().items()}
+    fold = LogFold(router, EventCodec().decode)
+    outs = [fold.apply_record(0, k, 0, rec) for k, rec in enumerate(churn_records(workers, 5 * len(workers), 0))]
+    assert [o.dlq_reason for o in outs] == [None] * len(outs)
+    after = {k: v[Tier.DEVICE] for k, v in router.index.tree_sizes().items()}
+    # Each round removed the previous chain: one fresh chain per worker is left.
+    assert after == {k: n + CHAIN_BLOCKS for k, n in before.items()}
 
 
 def test_dynamo_side_by_side() -> None:

@@ -7,7 +7,8 @@
 //! sequence hash. `owners` maps a position to, per tier, the bitmask of the worker slots
 //! holding it (one map per group of 64 slots; all tiers in one entry, so that matching
 //! costs one lookup per prompt position). Each slot has, per tier, a reverse map from its
-//! block hashes to positions, so that removing a block or a worker costs O(its blocks).
+//! block hashes to positions (table.rs), so that removing a block or a worker costs
+//! O(its blocks).
 //! A slot holds a position while at least one of its block hashes maps there; the rare
 //! second identity at one position (an alias) is counted in a side map.
 use std::collections::HashMap;
@@ -17,12 +18,13 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::{chain, sequence_of};
+use crate::table::Table;
+use crate::{chain, sequence_of, u64_at};
 
 /// Keys are hashes (or small engine ids): one splitmix64 finalizer spreads them well
 /// enough for the table and costs a few ns, against SipHash's tens.
 #[derive(Default)]
-struct MixHasher(u64);
+pub(crate) struct MixHasher(u64);
 
 impl Hasher for MixHasher {
     fn finish(&self) -> u64 {
@@ -41,7 +43,7 @@ impl Hasher for MixHasher {
     }
 }
 
-type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
+pub(crate) type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
 
 const TIERS: usize = 4;
 /// Per tier, the bitmask of the slots (of one group of 64) holding a position.
@@ -59,7 +61,7 @@ const PARENT_NOT_FOUND: u8 = 2;
 #[derive(Default)]
 struct Tier {
     /// Per slot: block hash → position.
-    blocks: Vec<Map<u64, u64>>,
+    blocks: Vec<Table<u64>>,
     /// slot → {position: identities beyond the first}.
     aliases: Map<u64, Map<u64, u32>>,
 }
@@ -95,7 +97,7 @@ fn release(owners: &mut Owners, aliases: &mut Map<u64, Map<u64, u32>>, t: usize,
 impl Tier {
     fn ensure(&mut self, slot: usize) {
         if self.blocks.len() <= slot {
-            self.blocks.resize_with(slot + 1, Map::default);
+            self.blocks.resize_with(slot + 1, Table::default);
         }
     }
 
@@ -160,7 +162,7 @@ impl Tier {
             }
         }
         if blocks.is_empty() {
-            *blocks = Map::default(); // give the memory back
+            *blocks = Table::default(); // give the memory back
         }
         unknown
     }
@@ -172,7 +174,7 @@ impl Tier {
         let bit = 1u64 << (slot % 64);
         let blocks = std::mem::take(&mut self.blocks[slot]);
         self.aliases.remove(&(slot as u64));
-        for &s in blocks.values() {
+        for s in blocks.values() {
             clear_bit(owners, t, bit, s);
         }
     }
@@ -188,11 +190,12 @@ impl Tier {
         if hashes.is_empty() {
             return Ok(());
         }
-        let mut blocks: Map<u64, u64> = Map::default();
+        let mut blocks: Table<u64> = Table::default();
         blocks.reserve(hashes.len());
-        blocks.extend(hashes.iter().copied().zip(seqs.iter().copied()));
-        if blocks.len() != hashes.len() {
-            return Err("exported block hashes repeat".to_string());
+        for (&h, &s) in hashes.iter().zip(seqs) {
+            if blocks.insert(h, s).is_some() {
+                return Err("exported block hashes repeat".to_string());
+            }
         }
         self.ensure(slot);
         let bit = 1u64 << (slot % 64);
@@ -219,7 +222,7 @@ impl Tier {
 
 /// hashbrown's footprint of a table: one control byte per bucket plus the entry;
 /// buckets ≈ capacity·8/7.
-fn table_bytes(cap: usize, entry: usize) -> usize {
+fn map_bytes(cap: usize, entry: usize) -> usize {
     cap * 8 / 7 * (entry + 1)
 }
 
@@ -326,7 +329,7 @@ impl IndexCore {
         Ok(self.tiers[tier]
             .blocks
             .get(slot)
-            .map(|b| b.iter().map(|(&k, &v)| (k, v)).unzip())
+            .map(|b| b.iter().unzip())
             .unwrap_or_default())
     }
 
@@ -376,14 +379,14 @@ impl IndexCore {
 
     /// Approximate bytes held by the hash tables.
     fn heap_bytes(&self) -> usize {
-        let owners: usize = self.owners.iter().map(|m| table_bytes(m.capacity(), 8 + 8 * TIERS)).sum();
+        let owners: usize = self.owners.iter().map(|m| map_bytes(m.capacity(), 8 + 8 * TIERS)).sum();
         let tiers: usize = self
             .tiers
             .iter()
             .map(|t| {
-                t.blocks.iter().map(|m| table_bytes(m.capacity(), 16)).sum::<usize>()
-                    + t.blocks.capacity() * std::mem::size_of::<Map<u64, u64>>()
-                    + t.aliases.values().map(|m| table_bytes(m.capacity(), 12)).sum::<usize>()
+                t.blocks.iter().map(|m| m.capacity() * 16).sum::<usize>()
+                    + t.blocks.capacity() * std::mem::size_of::<Table<u64>>()
+                    + t.aliases.values().map(|m| map_bytes(m.capacity(), 12)).sum::<usize>()
             })
             .sum();
         owners + tiers
@@ -402,7 +405,7 @@ impl IndexCore {
         let mut seqs: Vec<u64> = Vec::with_capacity(hashes.len());
         let mut fill = |seqs: &mut Vec<u64>, end: usize| -> PyResult<()> {
             while seqs.len() < end {
-                let h = hashes.get_item(seqs.len())?.extract::<u64>()?;
+                let h = u64_at(hashes, seqs.len())?;
                 seqs.push(match seqs.last() {
                     Some(&prev) if !chained => chain(prev, h),
                     _ => h, // a sequence hash, or the first block (seq = local)

@@ -14,6 +14,7 @@ mod avro_check;
 mod event_encode;
 mod index;
 mod route;
+mod table;
 
 /// Seed of the chained sequence hash (and of local hashes without LoRA).
 const CHAIN_SEED: u64 = 1337;
@@ -57,6 +58,29 @@ fn tokens_from_list(list: &Bound<'_, PyList>) -> PyResult<Vec<u32>> {
         out.push(u32::try_from(v).map_err(|_| token_error())?);
     }
     Ok(out)
+}
+
+/// Item `i` of `list` as a u64 (a hash), read through the C API: pyo3's generic
+/// `get_item` + `extract` cost more than the rest of a lookup while matching. Errors as
+/// `extract` gives them (TypeError for a non-integer, OverflowError outside [0, 2**64)).
+pub(crate) fn u64_at(list: &Bound<'_, PyList>, i: usize) -> PyResult<u64> {
+    if i >= list.len() {
+        return Err(pyo3::exceptions::PyIndexError::new_err("list index out of range"));
+    }
+    // SAFETY: i < len and the GIL is held, so the borrowed item is alive.
+    let item = unsafe { ffi::PyList_GET_ITEM(list.as_ptr(), i as ffi::Py_ssize_t) };
+    if unsafe { ffi::PyLong_Check(item) } == 0 {
+        return list.get_item(i)?.extract::<u64>(); // numpy ints and other __index__ types
+    }
+    // SAFETY: as above; item is an int.
+    let v = unsafe { ffi::PyLong_AsUnsignedLongLong(item) };
+    if v == u64::MAX {
+        // u64::MAX itself, or a conversion error (a negative int, an overflow, not an int).
+        if let Some(err) = PyErr::take(list.py()) {
+            return Err(err);
+        }
+    }
+    Ok(v)
 }
 
 fn local_hashes_of(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {

@@ -8,14 +8,14 @@
 //! arithmetic below follows the reference's order of operations exactly (no reassociation,
 //! no fused multiply-add), and the draw walks the probabilities as `_draw` does.
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::index::IndexCore;
+use crate::index::{IndexCore, Map};
 use crate::{local_hashes_of, sequence_of, token_error, tokens_from_list};
 
 type Key = (i64, i64);
@@ -83,13 +83,13 @@ struct Req {
 struct Load {
     prefill: i64,
     /// sequence hash → running requests holding it (shared blocks counted once).
-    blocks: HashMap<u64, u32>,
+    blocks: Map<u64, u32>,
     requests: i64,
 }
 
 /// Length of the prefix of `seqs` that `blocks` holds. The blocks of running requests
 /// are prefix-closed (each holds its whole chain), so the held part is a prefix.
-fn held_prefix(blocks: &HashMap<u64, u32>, seqs: &[u64]) -> usize {
+fn held_prefix(blocks: &Map<u64, u32>, seqs: &[u64]) -> usize {
     let n = seqs.len();
     if n == 0 || !blocks.contains_key(&seqs[0]) {
         return 0;
@@ -127,8 +127,8 @@ struct Weights {
 #[pyclass(module = "kvstream._native")]
 pub struct ActiveCore {
     ttl: f64,
-    requests: HashMap<String, Req>,
-    loads: HashMap<Key, Load>,
+    requests: Map<String, Req>,
+    loads: Map<Key, Load>,
     expiry: BinaryHeap<Reverse<(Stamp, u64, String)>>,
     serial: u64,
 }
@@ -342,7 +342,7 @@ impl ActiveCore {
         if !(ttl_s > 0.0) {
             return Err(PyValueError::new_err(format!("ttl_s must be > 0, got {ttl_s}")));
         }
-        Ok(ActiveCore { ttl: ttl_s, requests: HashMap::new(), loads: HashMap::new(), expiry: BinaryHeap::new(), serial: 0 })
+        Ok(ActiveCore { ttl: ttl_s, requests: Map::default(), loads: Map::default(), expiry: BinaryHeap::new(), serial: 0 })
     }
 
     fn __len__(&self) -> usize {
@@ -355,8 +355,19 @@ impl ActiveCore {
 
     /// Add a routed request; False when the id is already active (nothing applied).
     #[allow(clippy::too_many_arguments)]
-    fn add(&mut self, request_id: String, worker_id: i64, dp_rank: i64, isl: i64, overlap_tokens: i64, sequence_hashes: Vec<u64>, timestamp: f64) -> bool {
-        self.add_req(request_id, (worker_id, dp_rank), isl, overlap_tokens, sequence_hashes, timestamp)
+    /// `sequence_hashes`: a list of ints, or little-endian u64 bytes (as `route` returns them).
+    fn add(&mut self, request_id: String, worker_id: i64, dp_rank: i64, isl: i64, overlap_tokens: i64, sequence_hashes: &Bound<'_, PyAny>, timestamp: f64) -> PyResult<bool> {
+        let hashes = match sequence_hashes.cast::<PyBytes>() {
+            Ok(b) => {
+                let data = b.as_bytes();
+                if data.len() % 8 != 0 {
+                    return Err(PyValueError::new_err(format!("packed hashes of {} bytes: not a multiple of 8", data.len())));
+                }
+                data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk"))).collect()
+            }
+            Err(_) => sequence_hashes.extract::<Vec<u64>>()?,
+        };
+        Ok(self.add_req(request_id, (worker_id, dp_rank), isl, overlap_tokens, hashes, timestamp))
     }
 
     /// The request's prefill tokens stop loading its worker. (False, None) when not
@@ -419,7 +430,8 @@ impl ActiveCore {
     ///
     /// Returns (chosen row or None when no candidate is eligible, overlaps (n×4 i64),
     /// loads (n×5 i64), logit columns (7×n f64), probabilities (n f64), all as
-    /// little-endian bytes, the prompt's sequence hashes when tracked, its token count).
+    /// little-endian bytes, the prompt's sequence hashes (little-endian u64 bytes) when
+    /// tracked, its token count).
     /// The GIL is released while hashing, matching and scoring.
     #[pyo3(signature = (index, keys, tokens, block_size, seed, weights, filters, r, now, request_id=None, max_tokens=usize::MAX))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
@@ -437,7 +449,7 @@ impl ActiveCore {
         now: f64,
         request_id: Option<String>,
         max_tokens: usize,
-    ) -> PyResult<(Option<usize>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Option<Vec<u64>>, usize)> {
+    ) -> PyResult<(Option<usize>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, usize)> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
         }
@@ -467,7 +479,7 @@ impl ActiveCore {
             }
             Ok(d)
         })?;
-        let tracked = (track && d.chosen.is_some()).then_some(d.seqs);
+        let tracked = (track && d.chosen.is_some()).then(|| le_bytes(py, &d.seqs, u64::to_le_bytes));
         Ok((
             d.chosen,
             le_bytes(py, &d.overlaps, i64::to_le_bytes),

@@ -28,6 +28,7 @@ from kvstream.router import Router, RouterConfig
 from kvstream.tools.bench.common import best_of, dynamo_option, emit, json_option, percentiles_us, time_calls
 from kvstream.tools.bench.dynamo_peer import side_by_side
 from kvstream.tools.bench.index import make_workload
+from kvstream.tools.bench.ingest_load import churn_records, route_under_ingest
 
 
 @click.command("route")
@@ -37,6 +38,13 @@ from kvstream.tools.bench.index import make_workload
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--prompt-blocks", default=512, show_default=True, help="512 blocks of 16 = 8k tokens.")
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--ingest-rate",
+    default=300_000,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Also time buffer decisions while a thread folds this many block events/s into the same index (0: skip).",
+)
 @dynamo_option
 @json_option
 def route_bench(
@@ -46,6 +54,7 @@ def route_bench(
     block_size: int,
     prompt_blocks: int,
     seed: int,
+    ingest_rate: int,
     with_dynamo: bool,
     as_json: bool,
 ) -> None:
@@ -127,6 +136,19 @@ def route_bench(
     n_base = max(20, len(prompts) // 10)
     t_base_hash = time_calls(lambda: hashing.py_block_hashes(next(it3), block_size, seed_, True), n_base)
 
+    under_ingest = None
+    if ingest_rate:
+        # Enough records for the warm-up and the decisions at several times their
+        # quiet duration: running out is an error, not a rate.
+        # Three passes over the prompts: a p99 of a few thousand samples.
+        n_routes = 3 * len(buffers)
+        seconds = 0.2 + max(6 * n_routes * float(np.median(samples_buf)) / 1e9, 2.0)
+        workers = [(k.worker_id, k.dp_rank) for k in router.workers()]
+        records = churn_records(workers, int(ingest_rate * seconds / 100), seed)
+        it_ing = itertools.cycle(buffers)
+        under_ingest = route_under_ingest(
+            router, records, ingest_rate, len(workers), lambda: decide(router, next(it_ing)), n_routes
+        )
     peer = side_by_side(w.events, [local for local, _ in w.queries]) if with_dynamo else None
     p50, p99 = percentiles_us(samples, 50, 99)
     buf50, buf99 = percentiles_us(samples_buf, 50, 99)
@@ -161,6 +183,19 @@ def route_bench(
             "route_p50_speedup_vs_reference": round(ref50 / p50, 2),
             "route_buffer_p50_speedup_vs_reference": round(ref50 / buf50, 2),
             "decisions_speedup_vs_reference": round(decisions_per_s / decisions_per_s_ref, 2),
+            # Buffer decisions under the same lock as a thread folding real decoded
+            # batches at the target rate (kvstream/tools/bench/ingest_load.py).
+            **(
+                {
+                    "ingest_target_block_events_per_s": ingest_rate,
+                    "ingest_block_events_per_s": under_ingest[1].events_per_s,
+                    "ingest_records_rejected": under_ingest[1].rejected_records,
+                    "route_under_ingest_p50_us": percentiles_us(under_ingest[0], 50)[0],
+                    "route_under_ingest_p99_us": percentiles_us(under_ingest[0], 99)[0],
+                }
+                if under_ingest
+                else {}
+            ),
             # Query-only decisions (no active-sequence op applied).
             "query_only_p50_us": q50,
             "query_only_p99_us": q99,
