@@ -48,7 +48,7 @@ from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import RecoveryError
-from kvstream.replica.fold import LogFold
+from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.request_ids import scoped
@@ -85,9 +85,8 @@ class ReplicaOptions:
     ready_max_lag: int = 1000
     #: Records per consume() call.
     consume_batch: int = 2000
-    #: Records folded per hold of the router lock: a catch-up consume (2,000 records at
-    #: ~70 µs) held in one piece would stall every route for ~140 ms.
-    fold_slice: int = 16
+    #: Records folded per hold of the router lock (kvstream.replica.fold.FOLD_SLICE).
+    fold_slice: int = FOLD_SLICE
     #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
     tick_interval_s: float = 5.0
     #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
@@ -390,7 +389,7 @@ class Replica:
                 msgs = consumer.consume(1, 0.05)
                 if msgs:
                     msgs += consumer.consume(self.options.consume_batch - 1, 0)
-                    self._apply_in_slices(msgs)
+                    fold_in_slices(self.lock, msgs, self._apply_messages, self.options.fold_slice)
                 if self.snapshotter is not None:
                     with self.lock:
                         self.snapshotter.step()
@@ -416,15 +415,6 @@ class Replica:
     def _commit_failed(self, error: str) -> None:
         self.metrics.commit_failures.inc()
         log.warning("position commit failed", replica=self.replica_id, error=error)
-
-    def _apply_in_slices(self, msgs: list) -> None:
-        step = max(1, self.options.fold_slice)
-        for i in range(0, len(msgs), step):
-            with self.lock:
-                self._apply_messages(msgs[i : i + step])
-            # Give up the GIL between slices: a route thread woken by the release gets
-            # the lock before this thread takes it again.
-            time.sleep(0)
 
     def _apply_messages(self, msgs: list) -> None:
         fold = self.fold
