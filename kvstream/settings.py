@@ -104,12 +104,14 @@ class ReplicaSettings(BaseModel):
     http_docs: bool = False
     #: HTTP limits (kvstream.replica.http_limits): request body cap (bytes, checked
     #: before parsing), time to send the headers and the body, open connections,
-    #: routing decisions computed at once (off the event loop), /v1/snapshot streams.
+    #: routing decisions computed at once off the event loop, the largest route body
+    #: decided on the event loop (bytes), /v1/snapshot streams.
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=2)
     route_threads: int = Field(4, ge=1)
+    inline_route_bytes: int = Field(256 * 1024, ge=0)
     snapshot_streams: int = Field(2, ge=1)
     snapshot_dir: Path | None = None
     snapshot_every_records: int = Field(200_000, ge=0)

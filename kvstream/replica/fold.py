@@ -26,8 +26,11 @@ clock, so that two replicas (or a replay) that read the same records agree exact
 from __future__ import annotations
 
 import heapq
+import time
 from collections import Counter
-from collections.abc import Callable
+from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 from dataclasses import dataclass, field
 
 from kvstream.events.errors import DecodeError
@@ -56,6 +59,26 @@ ID_CONFLICT = "event_id_conflict"
 #: The fold itself failed on a record (a bug). Deterministic like the rest, so every
 #: replica fails the same way on it: the record is dead-lettered, ingest goes on.
 FOLD_ERROR = "record_fold_error"
+
+
+#: Records folded per hold of the router lock: a catch-up consume (2,000 records at
+#: ~70 µs) folded in one piece would stall every route for ~140 ms.
+FOLD_SLICE = 16
+
+_T = TypeVar("_T")
+
+
+def fold_in_slices(
+    lock: AbstractContextManager[Any], records: Sequence[_T], apply: Callable[[Sequence[_T]], None], size: int = FOLD_SLICE
+) -> None:
+    """``apply`` consecutive slices of ``records`` of at most ``size``, each under one
+    hold of ``lock``; the GIL is given up between slices so that a route thread woken
+    by the release takes the lock before this thread takes it again."""
+    step = max(1, size)
+    for i in range(0, len(records), step):
+        with lock:
+            apply(records[i : i + step])
+        time.sleep(0)
 
 
 @dataclass(slots=True)

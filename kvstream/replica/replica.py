@@ -48,7 +48,7 @@ from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import RecoveryError
-from kvstream.replica.fold import LogFold
+from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.request_ids import scoped
@@ -85,6 +85,8 @@ class ReplicaOptions:
     ready_max_lag: int = 1000
     #: Records per consume() call.
     consume_batch: int = 2000
+    #: Records folded per hold of the router lock (kvstream.replica.fold.FOLD_SLICE).
+    fold_slice: int = FOLD_SLICE
     #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
     tick_interval_s: float = 5.0
     #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
@@ -387,8 +389,7 @@ class Replica:
                 msgs = consumer.consume(1, 0.05)
                 if msgs:
                     msgs += consumer.consume(self.options.consume_batch - 1, 0)
-                    with self.lock:
-                        self._apply_messages(msgs)
+                    fold_in_slices(self.lock, msgs, self._apply_messages, self.options.fold_slice)
                 if self.snapshotter is not None:
                     with self.lock:
                         self.snapshotter.step()

@@ -1,45 +1,48 @@
-"""The replica's HTTP API (DESIGN.md §9), JSON over FastAPI.
+"""The replica's HTTP API (DESIGN.md §9): JSON, and binary route bodies, over FastAPI.
 
-Every input is validated (FastAPI/pydantic answer 422 with the reason); router errors map
-to 4xx (404 unknown request, 409 duplicate, 503 no eligible worker or not ready); the
-service never crashes on input. Routing is refused with 503 until the replica is ready,
-so nothing stale is served while it catches up.
+Every input is validated (422 with where and why: kvstream.replica.route_body for route
+requests, FastAPI for the other endpoints); router errors map to 4xx (404 unknown
+request, 409 duplicate, 503 no eligible worker or not ready); the service never crashes
+on input. Routing is refused with 503 until the replica is ready, so nothing stale is
+served while it catches up.
 
 Trust boundaries: endpoints need a bearer token of their scope (kvstream.replica.auth);
-bodies are capped before parsing and routing runs off the event loop in a bounded pool of
-threads (kvstream.replica.http_limits), so /healthz answers while a 1M-token prompt is
-routed; request ids are a safe set, scoped per replica (kvstream.replica.request_ids);
-/docs and /openapi.json exist only when asked for.
+bodies are capped before parsing (kvstream.replica.http_limits); large route requests are
+parsed and routed off the event loop in a bounded pool of threads, so /healthz answers
+while a 1M-token prompt is routed; request ids are a safe set, scoped per replica
+(kvstream.replica.request_ids); /docs and /openapi.json exist only when asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from array import array
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any
 
 import anyio
+import msgspec
+import orjson
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstream.hashing import MmSpan
-from kvstream.replica import request_ids
+from kvstream.replica import request_ids, route_body
 from kvstream.replica.auth import Scope, Tokens
 from kvstream.replica.errors import SnapshotError
 from kvstream.replica.http_limits import BodyLimit, HttpLimits
 from kvstream.replica.peer import stream_snapshot
 from kvstream.replica.replica import Replica
+from kvstream.replica.route_body import MAX_TOKENS, InvalidRequest, RouteQuery, RouteRequest
 from kvstream.router.errors import (
     DuplicateRequestError,
     NoEligibleWorkerError,
@@ -48,124 +51,72 @@ from kvstream.router.errors import (
     UnknownRequestError,
 )
 from kvstream.router.explain import decision_dict
-from kvstream.router.scheduler import SchedulerOverrides
 
-#: Longest prompt accepted (tokens): bounds the work one request can ask for.
-MAX_TOKENS = 1 << 20
-
-
-class Weights(BaseModel):
-    """Per-request overrides of the scheduler's weights and filters (§5)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    overlap_score_credit: float | None = Field(None, ge=0)
-    host_cache_hit_weight: float | None = Field(None, ge=0)
-    disk_cache_hit_weight: float | None = Field(None, ge=0)
-    prefill_load_scale: float | None = Field(None, ge=0)
-    decode_active_request_weight: float | None = Field(None, ge=0)
-    router_temperature: float | None = Field(None, ge=0)
-    max_active_decode_blocks: int | None = Field(None, ge=0)
-    max_active_prefill_tokens: int | None = Field(None, ge=0)
-    allowed_workers: list[Annotated[int, Field(ge=0, lt=1 << 64)]] | None = None
-
-
-class MmSpanBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    hash: int = Field(..., ge=0, lt=1 << 64)
-    offset: int = Field(..., ge=0)
-    length: int = Field(..., ge=1)
-
-
-class RouteRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    token_ids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(..., max_length=MAX_TOKENS)
-    request_id: str | None = Field(None, pattern=request_ids.PATTERN)
-    lora_name: str | None = Field(None, max_length=256)
-    #: Cache salt (Dynamo's cache_namespace): blocks are shared only under the same salt.
-    cache_salt: str | None = Field(None, max_length=256)
-    #: Multimodal objects in the prompt: their hashes enter the blocks they overlap.
-    mm: list[MmSpanBody] = Field(default_factory=list, max_length=1024)
-    query_only: bool = False
-    weights: Weights | None = None
-    #: The routing policy for this request (default: the replica's ``[router] policy``).
-    policy: Literal["kv", "ttft"] | None = None
-    #: Include every candidate's terms of worker_logit in the answer.
-    explain: bool = False
-
-
-class RouteQuery(BaseModel):
-    """The fields of a binary route request (``application/octet-stream``: the body is
-    the token ids as little-endian u32, validated in the compiled core), as query
-    parameters. Per-request weights and multimodal spans need the JSON form."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    request_id: str | None = Field(None, pattern=request_ids.PATTERN)
-    lora_name: str | None = Field(None, max_length=256)
-    cache_salt: str | None = Field(None, max_length=256)
-    query_only: bool = False
-    explain: bool = False
-    policy: Literal["kv", "ttft"] | None = None
-
+RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
 
 #: The binary body of a route request: little-endian u32 token ids.
 BINARY_PROMPT = "application/octet-stream"
 
-
-class BinaryRoute(NamedTuple):
-    """A binary route request: its query fields and its body, still packed (the core
-    checks it: whole u32s)."""
-
-    query: RouteQuery
-    tokens: bytes
-
-
-def binary_route(raw: bytes, params: Mapping[str, str]) -> BinaryRoute:
-    if len(raw) > 4 * MAX_TOKENS:
-        raise HTTPException(413, f"prompt of {len(raw)} bytes exceeds {MAX_TOKENS} tokens")
-    try:
-        return BinaryRoute(RouteQuery.model_validate(dict(params)), raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-
-
-RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
-
-#: Route bodies at least this large are parsed in a child process: pydantic holds the GIL
-#: while it parses (about 0.2–0.4 s for a 1M-token prompt), which would stall the event
-#: loop whatever thread ran it. Smaller ones parse in the routing thread (~ms).
+#: JSON route bodies at least this large are parsed in a child process: the decoder holds
+#: the GIL while it runs (about 50 ms for a 1M-token prompt), which would stall the event
+#: loop whatever thread ran it.
 PARSE_APART_BYTES = 1 << 20
 
+#: A route request: its fields, and its token ids (a list from JSON, or packed u32s).
+Parsed = tuple[RouteQuery, list[int] | bytes]
 
-def parse_route(raw: bytes) -> RouteRequest:
-    # Straight from the bytes (pydantic's JSON parser): a prompt is thousands of ints,
-    # and FastAPI's json.loads + validation would cost several times more.
+
+def binary_route(raw: bytes, params: Iterable[tuple[str, str]]) -> Parsed:
+    """A binary route request: its query fields, and its body still packed (the core
+    checks it: whole u32s)."""
+    if len(raw) > 4 * MAX_TOKENS:
+        raise HTTPException(413, f"prompt of {len(raw)} bytes exceeds {MAX_TOKENS} tokens")
+    return route_body.from_query(params), raw
+
+
+def json_route(raw: bytes) -> Parsed:
+    body = route_body.from_json(raw)
+    return body, body.token_ids
+
+
+def parse_apart(raw: bytes) -> tuple[RouteRequest, bytes] | list[dict[str, str]]:
+    """In a child process: the validated body, with its token ids packed as u32 (so that
+    no million Python ints cross back), or why it is invalid."""
     try:
-        return RouteRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+        body = route_body.from_json(raw)
+    except InvalidRequest as exc:
+        return exc.details
+    return msgspec.structs.replace(body, token_ids=[]), array("I", body.token_ids).tobytes()
 
 
-def parse_apart(raw: bytes) -> tuple[bytes, dict[str, Any]] | list[dict[str, Any]]:
-    """In a child process: the validated body with its token ids packed as u32 (so that no
-    million Python ints cross back), or its validation errors (picklable parts only)."""
-    try:
-        body = RouteRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        return [{"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()[:10]]
-    return array("I", body.token_ids).tobytes(), body.model_dump(exclude={"token_ids"})
-
-
-def unpack_parsed(parsed: tuple[bytes, dict[str, Any]] | list[dict[str, Any]]) -> RouteRequest:
+def unpack_parsed(parsed: tuple[RouteRequest, bytes] | list[dict[str, str]]) -> Parsed:
     if isinstance(parsed, list):
-        raise RequestValidationError(parsed)
-    tokens, rest = parsed
-    body = RouteRequest.model_validate(rest | {"token_ids": []})
-    body.token_ids = array("I", tokens)  # type: ignore[assignment]  # validated in the child
-    return body
+        raise InvalidRequest(parsed)
+    return parsed
+
+
+def _with_route_schema(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI schema with ``POST /v1/route``, a plain Starlette route that FastAPI
+    does not describe: its bodies' schema from route_body's structs."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    (body, _), components = msgspec.json.schema_components(
+        [RouteRequest, RouteQuery], ref_template="#/components/schemas/{name}"
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+    query = components["RouteQuery"]["properties"]
+    schema["paths"]["/v1/route"] = {"post": {
+        "summary": "Route a request",
+        "description": "A JSON body, or the token ids as little-endian u32 (application/octet-stream) "
+        "with the other fields as query parameters (binary bodies only).",
+        "parameters": [{"name": k, "in": "query", "required": False, "schema": v} for k, v in query.items()],
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": body},
+            BINARY_PROMPT: {"schema": {"type": "string", "format": "binary"}},
+        }},
+        "responses": {"200": {"description": "The chosen worker"}, "422": {"description": "Invalid request"}},
+    }}
+    app.openapi_schema = schema
+    return schema
 
 
 def create_app(
@@ -191,54 +142,54 @@ def create_app(
     app = FastAPI(
         title="kvstream replica", version="1", lifespan=lifespan,
         docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+        # The replica reports by Prometheus metrics and its own logs; FastAPI's OpenTelemetry
+        # hooks would look for a provider on every request (a tenth of a route's cost).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     metrics = replica.metrics
     app.add_middleware(BodyLimit, limits=limits, on_reject=lambda limit: metrics.http_rejected.labels(limit=limit).inc())
     routing: list[anyio.CapacityLimiter] = []  # made on first use, inside the event loop
     streaming = [0]  # /v1/snapshot streams running
 
+    def authorize(request: Request, scopes: tuple[Scope, ...]) -> None:
+        if not tokens.allows(request.headers.get("authorization", ""), scopes):
+            raise HTTPException(401, f"missing or wrong bearer token (scope: {' or '.join(scopes)})")
+
     def needs(*scopes: Scope) -> list:
         async def check(request: Request) -> None:
-            if not tokens.allows(request.headers.get("authorization", ""), scopes):
-                raise HTTPException(401, f"missing or wrong bearer token (scope: {' or '.join(scopes)})")
+            authorize(request, scopes)
 
         return [Depends(check)]
 
+    def invalid_request(details: Sequence[Mapping[str, Any]]) -> JSONResponse:
+        metrics.http_errors.labels(status="422").inc()
+        errors = [{"loc": e.get("loc"), "msg": e.get("msg")} for e in details[:10]]
+        return JSONResponse({"error": "invalid request", "details": errors}, status_code=422)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.http_errors.labels(status="422").inc()
-        errors = [{"loc": e.get("loc"), "msg": e.get("msg")} for e in exc.errors()[:10]]
-        return JSONResponse({"error": "invalid request", "details": errors}, status_code=422)
+        return invalid_request(exc.errors())
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_route(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return invalid_request(exc.details)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.http_errors.labels(status=str(exc.status_code)).inc()
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
 
-    def route_sync(raw: bytes | RouteRequest | BinaryRoute) -> dict[str, Any]:
-        if isinstance(raw, BinaryRoute):
-            body: RouteRequest | RouteQuery = raw.query
-            tokens: Any = raw.tokens
-            spans: list[MmSpan] = []
-        else:
-            body = raw if isinstance(raw, RouteRequest) else parse_route(raw)
-            tokens = body.token_ids
-            spans = [MmSpan(m.hash, m.offset, m.length) for m in body.mm]
+    def decide(parsed: Parsed) -> bytes:
+        """Route a parsed request; the answer as JSON."""
+        fields, token_ids = parsed
         if not replica.ready:
             raise HTTPException(503, "replica is not ready (catching up with the log)")
-        overrides = None
-        if isinstance(body, RouteRequest) and body.weights is not None:
-            w = body.weights.model_dump()
-            if w["allowed_workers"] is not None:
-                w["allowed_workers"] = frozenset(w["allowed_workers"])
-            overrides = SchedulerOverrides(**w)
-        if body.policy is not None:
-            overrides = dataclasses.replace(overrides or SchedulerOverrides(), policy=body.policy)
+        spans = [MmSpan(m.hash, m.offset, m.length) for m in fields.mm] if isinstance(fields, RouteRequest) else []
         t0 = time.perf_counter()
         try:
             decision = replica.route(
-                tokens, body.lora_name, body.request_id, body.query_only, overrides,
-                cache_salt=body.cache_salt, mm=spans,
+                token_ids, fields.lora_name, fields.request_id, fields.query_only, route_body.overrides(fields),
+                cache_salt=fields.cache_salt, mm=spans,
             )
         except NoEligibleWorkerError as exc:
             raise HTTPException(503, str(exc)) from None
@@ -247,31 +198,58 @@ def create_app(
         except (SchedulerConfigError, ValueError) as exc:
             raise HTTPException(400, str(exc)) from None
         metrics.route_latency.observe(time.perf_counter() - t0)
-        return decision_dict(decision, body.explain)
+        return orjson.dumps(decision_dict(decision, fields.explain))
 
-    @app.post("/v1/route", dependencies=needs(Scope.CLIENT))
-    async def route(request: Request) -> dict[str, Any]:
-        # Parsing and routing a long prompt take long (up to 1–2 s at 1M tokens): off the
-        # event loop, in a bounded pool of threads (and processes for large bodies), so
-        # that it keeps serving (/healthz).
-        raw: bytes | RouteRequest | BinaryRoute = await request.body()
+    def route_threads() -> anyio.CapacityLimiter:
         if not routing:
             routing.append(anyio.CapacityLimiter(limits.route_threads))
+        return routing[0]
+
+    async def parse_in_child(raw: bytes) -> Parsed:
+        if not parsers:
+            parsers.append(ProcessPoolExecutor(limits.route_threads, mp_context=get_context("spawn")))
+        async with route_threads():
+            try:
+                parsed = await asyncio.get_running_loop().run_in_executor(parsers[0], parse_apart, raw)
+            except BrokenProcessPool:  # a parser died (e.g. killed for memory): a new pool
+                parsers.pop().shutdown(wait=False)
+                raise HTTPException(503, "the request parser failed; retry") from None
+        return unpack_parsed(parsed)
+
+    async def route(request: Request) -> Response:
+        # A plain Starlette endpoint, not a FastAPI one: dependency solving and response
+        # validation would cost several times the decision. A small request is parsed
+        # and decided on the event loop (a thread hop costs more than the decision); a
+        # large one off it, in a bounded pool of threads (and processes for large JSON
+        # bodies), so that the loop keeps serving (/healthz) while a 1M-token prompt is
+        # parsed and routed.
+        authorize(request, (Scope.CLIENT,))
+        raw = await request.body()
+        small = len(raw) <= limits.inline_route_bytes
         if request.headers.get("content-type", "").split(";")[0].strip() == BINARY_PROMPT:
             # Nothing to parse: the core reads the packed ids (with the GIL released
             # while it routes them).
-            raw = binary_route(raw, request.query_params)  # type: ignore[arg-type]
-        elif len(raw) >= PARSE_APART_BYTES:  # type: ignore[arg-type]
-            if not parsers:
-                parsers.append(ProcessPoolExecutor(limits.route_threads, mp_context=get_context("spawn")))
-            async with routing[0]:
-                try:
-                    parsed = await asyncio.get_running_loop().run_in_executor(parsers[0], parse_apart, raw)
-                except BrokenProcessPool:  # a parser died (e.g. killed for memory): a new pool
-                    parsers.pop().shutdown(wait=False)
-                    raise HTTPException(503, "the request parser failed; retry") from None
-            raw = unpack_parsed(parsed)
-        return await anyio.to_thread.run_sync(route_sync, raw, limiter=routing[0])
+            parsed = binary_route(raw, request.query_params.multi_items())
+        elif small:
+            parsed = json_route(raw)
+        elif len(raw) < PARSE_APART_BYTES:
+            parsed = await anyio.to_thread.run_sync(json_route, raw, limiter=route_threads())
+        else:
+            parsed = await parse_in_child(raw)
+        # Inline only while the replica's lock is free: when the fold or a snapshot
+        # holds it, a routing thread waits for it, not the event loop.
+        if small and replica.lock.acquire(blocking=False):
+            try:
+                answer = decide(parsed)
+            finally:
+                replica.lock.release()
+        else:
+            answer = await anyio.to_thread.run_sync(decide, parsed, limiter=route_threads())
+        return Response(answer, media_type="application/json")
+
+    app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
+    if docs:
+        app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
 
     @app.post("/v1/requests/{request_id}/prefill_done", dependencies=needs(Scope.CLIENT))
     def prefill_done(request_id: RequestId) -> dict[str, str]:

@@ -72,7 +72,7 @@ class RouteDecision:
 
     @property
     def chosen(self) -> CandidateScore:
-        return self.candidates[self.schedule.chosen]
+        return self.schedule.score(self.schedule.chosen)
 
     @property
     def overlaps(self) -> dict[WorkerKey, TierOverlap]:

@@ -291,31 +291,30 @@ class Schedule:
     def terms(self) -> tuple[LogitTerms, ...]:
         return tuple(self.columns.row(i) for i in range(len(self.candidates)))
 
+    def score(self, i: int) -> CandidateScore:
+        """Candidate ``i``, flat (built on demand: the hot path keeps columns)."""
+        c, t = self.candidates[i], self.columns.row(i)
+        return CandidateScore(
+            c.worker,
+            c.overlap,
+            t.credit,
+            t.cached_tokens,
+            t.prefill_blocks,
+            t.prefill_cost,
+            c.active_prefill_tokens,
+            c.active_decode_blocks,
+            c.new_blocks,
+            t.decode_blocks,
+            c.active_requests,
+            t.request_cost,
+            t.logit,
+            self.probabilities[i],
+            self.excluded[i],
+        )
+
     def scores(self) -> tuple[CandidateScore, ...]:
-        """Every candidate, flat (built on demand: the hot path keeps columns)."""
-        out = []
-        for i, (t, p, x) in enumerate(zip(self.terms, self.probabilities, self.excluded)):
-            c = self.candidates[i]
-            out.append(
-                CandidateScore(
-                    c.worker,
-                    c.overlap,
-                    t.credit,
-                    t.cached_tokens,
-                    t.prefill_blocks,
-                    t.prefill_cost,
-                    c.active_prefill_tokens,
-                    c.active_decode_blocks,
-                    c.new_blocks,
-                    t.decode_blocks,
-                    c.active_requests,
-                    t.request_cost,
-                    t.logit,
-                    p,
-                    x,
-                )
-            )
-        return tuple(out)
+        """Every candidate, flat."""
+        return tuple(self.score(i) for i in range(len(self.candidates)))
 
 
 class Scheduler:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import orjson
@@ -240,6 +241,39 @@ def test_body_cap_before_parsing(router: Router) -> None:
     print(f"FAULTS http_body sent_mib={sent} peak_rss_growth_mib={grew:.1f}")
     assert sent < 100 and grew < 96, (sent, grew)
     assert router.metric(r'kvstream_http_rejected_total\{limit="body_too_large"\}') >= 2
+
+
+def read_answer(f: BinaryIO, method: str) -> tuple[int, bytes]:
+    """One HTTP/1.1 answer (status, body) from a connection's buffered reader."""
+    status = int(f.readline().split()[1])
+    length = 0
+    while (line := f.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, b"" if method == "HEAD" else f.read(length)
+
+
+def test_responses_whole_after_continue_pipelining_head_and_errors(router: Router) -> None:
+    """Each response's head leaves with its body (kvstream.replica.http_limits): a
+    "100 Continue" still goes out before the body is sent, pipelined answers keep their
+    order, and an answer without body bytes (HEAD) still leaves."""
+    body = orjson.dumps({"token_ids": TOKENS, "query_only": True})
+    head = (f"POST /v1/route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CLIENT}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n").encode()
+    with raw_request(router.port, head + b"Expect: 100-continue\r\n\r\n") as s, s.makefile("rb") as f:
+        assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"  # before any body
+        s.sendall(body)
+        status, answer = read_answer(f, "POST")
+        assert status == 200 and orjson.loads(answer)["worker_id"] == 1
+    wrong_method = b"GET /v1/route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + CLIENT.encode() + b"\r\n\r\n"
+    no_body = b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n"  # 405 (no HEAD route), and uvicorn sends no body
+    with raw_request(router.port, head + b"\r\n" + body + wrong_method + no_body + head + b"\r\n" + body) as s, \
+            s.makefile("rb") as f:
+        answers = [read_answer(f, method) for method in ("POST", "GET", "HEAD", "POST")]
+    assert [status for status, _ in answers] == [200, 405, 405, 200]
+    assert orjson.loads(answers[0][1]) == orjson.loads(answers[3][1])
+    assert b"Method Not Allowed" in answers[1][1] and answers[2][1] == b""
 
 
 def test_slow_body_times_out(router: Router) -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import httpx
+import orjson
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
@@ -58,31 +64,39 @@ def test_route_explain_and_request_lifecycle(served) -> None:
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "reason"),
     [
-        {},
-        {"token_ids": "abc"},
-        {"token_ids": [1, -2]},
-        {"token_ids": [2**32]},
-        {"token_ids": [1.5]},
-        {"token_ids": [1], "weights": {"host_cache_hit_weight": -1}},
-        {"token_ids": [1], "weights": {"bogus": 1}},
-        {"token_ids": [1], "surprise": True},
-        {"token_ids": [1], "request_id": ""},
-        {"token_ids": [0] * (MAX_TOKENS + 1)},
+        ({}, "missing required field `token_ids`"),
+        ({"token_ids": "abc"}, "$.token_ids"),
+        ({"token_ids": [1, -2]}, "$.token_ids[1]"),
+        ({"token_ids": [2**32]}, "<= 4294967295"),
+        ({"token_ids": [1.5]}, "Expected `int`"),
+        ({"token_ids": [1], "weights": {"host_cache_hit_weight": -1}}, "$.weights.host_cache_hit_weight"),
+        ({"token_ids": [1], "weights": {"bogus": 1}}, "unknown field `bogus`"),
+        ({"token_ids": [1], "weights": {"allowed_workers": [2**64]}}, "`allowed_workers` must be below 2**64"),
+        ({"token_ids": [1], "mm": [{"hash": 2**64, "offset": 0, "length": 1}]}, "`hash` must be below 2**64"),
+        ({"token_ids": [1], "mm": [{"hash": 1, "offset": 0, "length": 0}]}, "$.mm[0].length"),
+        ({"token_ids": [1], "surprise": True}, "unknown field `surprise`"),
+        ({"token_ids": [1], "request_id": ""}, "$.request_id"),
+        ({"token_ids": [1], "query_only": "yes"}, "$.query_only"),
+        ({"token_ids": [1], "lora_name": "x" * 257}, "$.lora_name"),
+        ({"token_ids": [0] * (MAX_TOKENS + 1)}, "length <= 1048576"),
     ],
 )
-def test_bad_requests_get_4xx_json(served, body) -> None:
+def test_bad_requests_get_4xx_json(served, body, reason) -> None:
     replica, client = served
     r = client.post("/v1/route", json=body)
-    assert 400 <= r.status_code < 500 and "error" in r.json()
+    assert r.status_code == 422 and r.json()["error"] == "invalid request", r.text
+    assert any(reason in f"{d['msg']} - at {d['loc']}" for d in r.json()["details"]), r.text
+    assert len(replica.router.active) == 0
     assert client.get("/healthz").status_code == 200
 
 
 def test_not_json_and_no_eligible_worker(served) -> None:
     _, client = served
-    r = client.post("/v1/route", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 422
+    for raw, reason in ((b"{not json", "malformed"), (b"", "truncated"), (b"[1, 2]", "Expected `object`")):
+        r = client.post("/v1/route", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and reason in r.text, r.text
     r = client.post("/v1/route", json={"token_ids": TOKENS, "weights": {"allowed_workers": [99]}})
     assert r.status_code == 503 and "error" in r.json()
 
@@ -102,6 +116,16 @@ def test_auth_health_ready_metrics_workers(served) -> None:
         assert name in text
 
 
+def test_openapi_describes_the_route_bodies(served) -> None:
+    replica, _ = served
+    doc = TestClient(create_app(replica, docs=True)).get("/openapi.json").json()
+    route = doc["paths"]["/v1/route"]["post"]
+    assert set(route["requestBody"]["content"]) == {"application/json", "application/octet-stream"}
+    assert "token_ids" in doc["components"]["schemas"]["RouteRequest"]["required"]
+    assert {p["name"] for p in route["parameters"]} >= {"request_id", "query_only", "policy"}
+    assert "/v1/workers" in doc["paths"]
+
+
 def test_route_refused_until_ready(served) -> None:
     replica, client = served
     replica._ready.clear()
@@ -112,18 +136,53 @@ def test_route_refused_until_ready(served) -> None:
         replica._ready.set()
 
 
+@contextmanager
+def serve(app) -> Iterator[int]:
+    """``app`` served by uvicorn on a free loopback port (yielded), in a thread."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        assert t.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        t.join(10)
+
+
+def test_small_route_waits_for_a_busy_replica_off_the_loop(served) -> None:
+    """A small request is decided on the event loop only while the replica's lock is
+    free: while the fold holds it (here the test), the request waits in a routing
+    thread, and the loop keeps answering."""
+    replica, _ = served
+    body = orjson.dumps({"token_ids": TOKENS, "query_only": True})
+    head = (f"POST /v1/route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with serve(create_app(replica, token="s3cret")) as port, httpx.Client(timeout=10) as probe:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            with replica.lock:
+                s.sendall(head + body)
+                for _ in range(20):
+                    assert probe.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+                s.setblocking(False)
+                try:
+                    assert s.recv(1, socket.MSG_PEEK) == b"", "answered while the replica was busy"
+                except BlockingIOError:
+                    pass  # no answer yet: it waits for the lock
+            s.setblocking(True)
+            answer = http.client.HTTPResponse(s)
+            answer.begin()
+            assert answer.status == 200 and orjson.loads(answer.read())["worker_id"] == 1
+
+
 def test_peer_bootstrap_over_http(served, kafka_topics: Settings, tmp_path) -> None:
     replica, _ = served
     with replica.lock:
         replica.snapshotter.snapshot_now()
         expected = state(replica.fold)[0]
-    server = uvicorn.Server(uvicorn.Config(create_app(replica, token="s3cret"), host="127.0.0.1", port=0, log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with serve(create_app(replica, token="s3cret")) as port:
         fresh = start(kafka_topics, snapshot_dir=tmp_path / "fresh", peer_url=f"http://127.0.0.1:{port}", peer_token="s3cret")
         try:
             assert any("bootstrapped from peer" in n for n in fresh.recovery_notes)
@@ -137,9 +196,6 @@ def test_peer_bootstrap_over_http(served, kafka_topics: Settings, tmp_path) -> N
         with pytest.raises(Exception):
             fetch_peer_snapshot(f"http://127.0.0.1:{port}", store)  # no token: 401
         assert store.head() is None
-    finally:
-        server.should_exit = True
-        t.join(10)
 
 
 def test_policy_switch_and_per_request_override(served, kafka_topics: Settings, tmp_path) -> None:

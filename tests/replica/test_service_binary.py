@@ -43,6 +43,10 @@ def test_binary_body_decides_as_json_and_tracks_the_request(served) -> None:  # 
         ("/v1/route?bogus=1", packed([1, 2]), 422, "bogus"),
         ("/v1/route?request_id=", packed([1, 2]), 422, "request_id"),
         ("/v1/route?query_only=maybe", packed([1, 2]), 422, "query_only"),
+        ("/v1/route?policy=fastest", packed([1, 2]), 422, "policy"),
+        ("/v1/route?lora_name=" + "x" * 257, packed([1, 2]), 422, "lora_name"),
+        ("/v1/route?request_id=a&request_id=b", packed([1, 2]), 422, "given more than once"),
+        ("/v1/route?weights=1", packed([1, 2]), 422, "unknown field `weights`"),
         ("/v1/route", bytes(4 * (MAX_TOKENS + 1)), 413, "exceeds"),
     ],
 )

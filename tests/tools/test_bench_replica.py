@@ -69,7 +69,9 @@ def test_http_bench(kafka_bootstrap: str) -> None:
     assert out["route_p50_us"] > out["baseline_route_p50_us"]
 
 
-def test_http_bench_with_wrk(kafka_bootstrap: str) -> None:
+# wrk and oha are installed by the benchmark when absent: oha compiles from source (minutes).
+@pytest.mark.timeout(1800)
+def test_http_bench_with_wrk_and_oha(kafka_bootstrap: str) -> None:
     out = run_bench(
         "http", "--bootstrap", kafka_bootstrap, "--blocks", "20000", "--workers", "8", "--prompts", "10",
         "--clients", "2", "--partitions", "2", "--duration", "1",
@@ -78,4 +80,8 @@ def test_http_bench_with_wrk(kafka_bootstrap: str) -> None:
     for fmt in ("json", "binary"):
         positive(out, f"{fmt}_requests_per_s", f"{fmt}_p50_us", f"{fmt}_p99_us", f"{fmt}_http_to_in_process_ratio")
         assert out[f"{fmt}_p50_us"] <= out[f"{fmt}_p99_us"]
+        # The open loop runs at half the closed loop's rate, every request answered 200.
+        positive(out, f"{fmt}_open_loop_achieved_per_s", f"{fmt}_open_loop_p50_us", f"{fmt}_open_loop_requests")
+        assert out[f"{fmt}_open_loop_rate_per_s"] == round(out[f"{fmt}_requests_per_s"] / 2)
+        assert out[f"{fmt}_open_loop_p50_us"] <= out[f"{fmt}_open_loop_p99_us"]
     positive(out, "in_process_list_decisions_per_s", "in_process_bytes_decisions_per_s")

@@ -1,21 +1,24 @@
-"""``kvstream bench http``: routing over the replica's HTTP API (uvicorn, loopback)
-against the same decisions through the in-process ``Replica.route``, in the same run
-(DESIGN.md §9, §11).
+"""``kvstream bench http``: routing over the replica's HTTP API (served as ``kvstream
+router`` serves it, on loopback) against the same decisions through the in-process
+``Replica.route``, in the same run (DESIGN.md §9, §11).
 
 State: the ``kvstream bench index`` workload (``--blocks`` over ``--workers`` workers,
 lower tiers included) with each block's local hash made the hash of real tokens, written
 to the events topic as workers publish it and folded by a real replica. Requests: 8k-token
 prompts (a held conversation continued with fresh tokens), ``query_only`` so that the
 load does not grow. By default ``wrk`` (compiled; installed with apt-get when absent)
-sends them over ``--clients`` keep-alive connections for ``--duration`` seconds, once as
-JSON and once as binary bodies (little-endian u32); ``--load-generator python`` uses
-threads with httpx connections in a child process instead (JSON only; the Python client
-is itself a limit). Latency is the client's: request sent → response read.
+sends them over ``--clients`` keep-alive connections for ``--duration`` seconds (closed
+loop: the most requests/s), once as JSON and once as binary bodies (little-endian u32);
+then ``oha`` (compiled; built with cargo when absent) sends each format at half the rate
+wrk reached (open loop: the p99 at that rate, counted from each request's due time).
+``--load-generator python`` uses threads with httpx connections in a child process
+instead (JSON only; the Python client is itself a limit). Latency is the client's.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import threading
 import time
@@ -32,13 +35,15 @@ import uvicorn
 
 from kvstream.events.model import Stored
 from kvstream.hashing import local_hashes
+from kvstream.replica.cli import freeze_heap, http_limits, server_config
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
+from kvstream.settings import Settings
 from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
 from kvstream.tools.bench.index import make_workload
 from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
 from kvstream.tools.bench.restart import replica_options, worker_log
-from kvstream.tools.bench.wrk import ensure_wrk, run_wrk
+from kvstream.tools.bench.loadgen import ensure_oha, ensure_wrk, run_oha, run_wrk
 
 VOCAB = 152_064
 
@@ -143,9 +148,10 @@ def run_clients(url: str, bodies: list[bytes], clients: int, requests: int, time
 
 
 class Server:
-    """The replica's app served by uvicorn on a free loopback port, in a thread."""
+    """The replica's app served on a free loopback port, in a thread, as ``kvstream
+    router`` serves it (its uvicorn configuration and HTTP limits, default settings)."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Replica, settings: Settings) -> None:
         # proto IPPROTO_TCP, as getaddrinfo gives when uvicorn binds itself: asyncio sets
         # TCP_NODELAY on accepted connections only then (else each response waits for
         # the client's delayed ACK, +40 ms).
@@ -153,11 +159,16 @@ class Server:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; we keep the socket
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(replica), log_level="warning", access_log=False)
+        limits = http_limits(settings)
+        config = server_config(
+            create_app(replica, limits=limits), settings, limits,
+            lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc(),
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def __enter__(self) -> Server:
+        freeze_heap()  # as kvstream router does before it serves
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -177,14 +188,24 @@ class Server:
 @click.option("--blocks", "n_blocks", default=200_000, show_default=True, help="Indexed blocks.")
 @click.option("--workers", "n_workers", default=64, show_default=True)
 @click.option("--prompts", "n_prompts", default=200, show_default=True, help="Distinct 8k-token prompts.")
-@click.option("--requests", "n_requests", default=2000, show_default=True)
-@click.option("--clients", default=4, show_default=True, help="Concurrent clients.")
+@click.option("--requests", "n_requests", default=2000, show_default=True, help="Requests of --load-generator python.")
+@click.option("--clients", default=4, show_default=True, help="Concurrent clients (wrk: keep-alive connections).")
 @click.option(
     "--load-generator", type=click.Choice(["wrk", "python"]), default="wrk", show_default=True,
     help="wrk (compiled, installed with apt-get when absent) for both body formats, or "
     "the Python httpx clients (JSON only).",
 )
-@click.option("--duration", default=10.0, show_default=True, help="Seconds of wrk load per body format.")
+@click.option("--duration", default=10.0, show_default=True, help="Seconds of load per body format and loop.")
+@click.option(
+    "--open-loop/--no-open-loop", default=True, show_default=True,
+    help="After wrk, oha (compiled; built with cargo install when absent) sends each format "
+    "at a fixed rate, half wrk's, for the p99 at that rate.",
+)
+@click.option(
+    "--open-loop-rate", type=click.FloatRange(min=1), default=None,
+    help="Requests/s of the open loop, every format [default: half what wrk reached for it].",
+)
+@click.option("--open-loop-connections", default=32, show_default=True, help="oha's connections (at most).")
 @click.option("--partitions", default=12, show_default=True)
 @click.option("--timeout", default=600.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
@@ -198,14 +219,21 @@ def http_bench(
     clients: int,
     load_generator: str,
     duration: float,
+    open_loop: bool,
+    open_loop_rate: float | None,
+    open_loop_connections: int,
     partitions: int,
     timeout: float,
     seed: int,
     as_json: bool,
 ) -> None:
-    """POST /v1/route latency and requests/s vs. in-process Replica.route."""
+    """POST /v1/route requests/s and latency (closed loop), p99 at half that rate (open
+    loop), vs. in-process Replica.route in the same run."""
+    load_start = os.getloadavg()[0]
     if load_generator == "wrk":
         ensure_wrk()  # before the minutes of setup
+        if open_loop:
+            ensure_oha()
     click.echo(f"building an index workload of {n_blocks:,} blocks...", err=True)
     events, prompts, blocks = token_workload(n_blocks, n_workers, n_prompts, 16, seed)
     records = worker_log(events)
@@ -220,9 +248,11 @@ def http_bench(
         try:
             wait_settled(replica, settings, timeout, "replica folding the log")
             if load_generator == "wrk":
-                result = _measure_wrk(replica, prompts, clients, duration)
+                result = _measure_wrk(
+                    replica, settings, prompts, clients, duration, open_loop, open_loop_rate, open_loop_connections
+                )
             else:
-                result = _measure(replica, prompts, bodies, n_requests, clients, timeout)
+                result = _measure(replica, settings, prompts, bodies, n_requests, clients, timeout)
         finally:
             replica.stop()
     emit(
@@ -232,17 +262,25 @@ def http_bench(
             "workers": n_workers,
             "prompt_tokens": len(prompts[0]),
             "prompts": len(prompts),
-            "requests": n_requests,
             "clients": clients,
             "load_generator": load_generator,
+            **({"requests": n_requests} if load_generator == "python" else {}),
             **result,
+            # Other jobs on the machine share its cores with the server and the clients.
+            "load_average_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         },
         as_json,
     )
 
 
 def _measure(
-    replica: Replica, prompts: Sequence[list[int]], bodies: list[bytes], n_requests: int, clients: int, timeout: float
+    replica: Replica,
+    settings: Settings,
+    prompts: Sequence[list[int]],
+    bodies: list[bytes],
+    n_requests: int,
+    clients: int,
+    timeout: float,
 ) -> dict[str, Any]:
     # Baseline: the same decisions in-process, one after another.
     expected = [replica.route(p, query_only=True).chosen.logit for p in prompts]
@@ -251,7 +289,7 @@ def _measure(
     base_p50, base_p99 = percentiles_us(samples, 50, 99)
     base_rate = n_requests / (sum(samples) / 1e9)
 
-    with Server(replica) as server:
+    with Server(replica, settings) as server:
         click.echo(f"{clients} clients sending {n_requests} requests to {server.url}...", err=True)
         lat, logits, wall_s, failures = run_clients(server.url, bodies, clients, n_requests, timeout)
     if failures:
@@ -274,9 +312,19 @@ def _measure(
     }
 
 
-def _measure_wrk(replica: Replica, prompts: Sequence[list[int]], connections: int, duration: float) -> dict[str, Any]:
-    """wrk against the server for JSON and binary bodies; the in-process decision rate
-    (sequential, from lists and from bytes) in the same run."""
+def _measure_wrk(
+    replica: Replica,
+    settings: Settings,
+    prompts: Sequence[list[int]],
+    connections: int,
+    duration: float,
+    open_loop: bool,
+    open_loop_rate: float | None,
+    open_loop_connections: int,
+) -> dict[str, Any]:
+    """wrk against the server for JSON and binary bodies, then oha (at half wrk's rate
+    unless ``open_loop_rate`` is given); the in-process decision rate (sequential, from
+    lists and from bytes) in the same run."""
     packed = [np.asarray(p, dtype="<u4").tobytes() for p in prompts]
     in_process = {}
     for name, inputs in (("list", prompts), ("bytes", packed)):
@@ -289,7 +337,7 @@ def _measure_wrk(replica: Replica, prompts: Sequence[list[int]], connections: in
         "binary": ("/v1/route?query_only=true", "application/octet-stream", packed),
     }
     out: dict[str, Any] = {}
-    with Server(replica) as server:
+    with Server(replica, settings) as server:
         # One answer of each format checked against the in-process decision first.
         with httpx.Client(base_url=server.url, timeout=60) as http:
             want = replica.route(prompts[0], query_only=True).chosen.logit
@@ -299,15 +347,38 @@ def _measure_wrk(replica: Replica, prompts: Sequence[list[int]], connections: in
                     raise click.ClickException(f"{ctype} answer differs from in-process: {got.text[:200]}")
         for name, (path, ctype, bodies) in formats.items():
             click.echo(f"wrk: {connections} connections, {duration:g}s of {name} bodies...", err=True)
+            # This process's CPU time while it only serves (wrk is another process): the
+            # server's cost per request, which other jobs on the machine do not inflate
+            # as they do latency.
+            cpu0 = time.process_time()
             r = run_wrk(server.url, path, bodies, ctype, connections, min(connections, 2), duration)
+            cpu = time.process_time() - cpu0
             base_rate = in_process["list" if name == "json" else "bytes"][0]
             out |= {
                 f"{name}_requests_per_s": r["requests_per_s"],
                 f"{name}_p50_us": r["p50_us"],
                 f"{name}_p99_us": r["p99_us"],
                 f"{name}_requests": r["requests"],
+                f"{name}_server_cpu_us_per_request": round(cpu / r["requests"] * 1e6),
                 f"{name}_http_to_in_process_ratio": round(r["requests_per_s"] / base_rate, 3),
             }
+        if open_loop:
+            # Binary first: a JSON rate the server cannot keep up with (as a fixed
+            # --open-loop-rate may be) leaves a queue that would delay the next run.
+            for name in ("binary", "json"):
+                path, ctype, bodies = formats[name]
+                rate = open_loop_rate or out[f"{name}_requests_per_s"] / 2
+                # oha reads one body per line: JSON bodies cycle, a binary prompt is sent alone.
+                sent = bodies if name == "json" else bodies[:1]
+                click.echo(f"oha: {rate:.0f} {name} requests/s for {duration:g}s (open loop)...", err=True)
+                r = run_oha(server.url, path, sent, ctype, rate, open_loop_connections, duration)
+                out |= {
+                    f"{name}_open_loop_rate_per_s": round(rate),
+                    f"{name}_open_loop_achieved_per_s": r["requests_per_s"],
+                    f"{name}_open_loop_p50_us": r["p50_us"],
+                    f"{name}_open_loop_p99_us": r["p99_us"],
+                    f"{name}_open_loop_requests": r["requests"],
+                }
     return {
         **out,
         "baseline": "Replica.route in-process, same prompts, sequential (lists for JSON, bytes for binary)",

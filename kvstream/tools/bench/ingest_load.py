@@ -7,10 +7,11 @@ and folded by :class:`~kvstream.replica.fold.LogFold` under the lock that routin
 too, on its own thread. The records churn the routed workers' caches: each removes the
 worker's previous fresh chain and stores a new one (so the index keeps its size and the
 prompts' matches stay as they were). Records are due at the rate; the thread wakes every
-millisecond and folds what is due under one hold of the lock, as the replica folds the
-records one consume returned (one hold per record made the router wait on a thread
-wake-up per record under this shared machine's load). A thread that falls behind
-folds larger batches (the rate reached says so).
+millisecond and folds what is due as the replica folds the records one consume returned:
+in slices of ``FOLD_SLICE`` records per hold of the lock (one hold per record made the
+router wait on a thread wake-up per record under this shared machine's load; the whole
+backlog in one hold stalls routing for as long as it takes). A thread that falls behind
+folds more slices per tick (the rate reached says so).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import EventBatch, Removed, Stored, Tier
-from kvstream.replica.fold import LogFold
+from kvstream.replica.fold import LogFold, fold_in_slices
 from kvstream.router import Router
 
 #: Blocks of each fresh chain (two stored events of 32, as an engine publishes them).
@@ -102,8 +103,8 @@ def route_under_ingest(
         start = time.perf_counter()
         k = 0
         while k < len(records) and not stop.is_set():
-            # The records due by now (at least one), folded under one hold of the lock
-            # as the replica folds what one consume returned; then a tick's sleep.
+            # The records due by now (at least one), folded as the replica folds what
+            # one consume returned; then a tick's sleep.
             due = k
             blocks = done[1]
             now = time.perf_counter()
@@ -113,8 +114,12 @@ def route_under_ingest(
             if due == k:
                 time.sleep(TICK_S)
                 continue
-            with lock:
-                outs = [fold.apply_record(0, j, int(time.time() * 1000), records[j]) for j in range(k, due)]
+            outs: list = []
+            fold_in_slices(
+                lock,
+                range(k, due),
+                lambda js: outs.extend(fold.apply_record(0, j, int(time.time() * 1000), records[j]) for j in js),
+            )
             # The first record of each worker has no ``cleared`` before it (the index
             # was built outside the fold): the fold notes that, and applies it.
             done[0] = due

@@ -19,18 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvstream.events.errors import DecodeError
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.request_ids import unscoped
-from kvstream.replica.service import RouteRequest
+from kvstream.replica.route_body import InvalidRequest, RouteRequest, from_doc, overrides
 from kvstream.router.active import ActiveOp, AddRequest
 from kvstream.router.errors import NoEligibleWorkerError, RouterError, SchedulerConfigError
 from kvstream.router.explain import decision_dict
 from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision, Router
-from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, SourceError
 from kvstream.tools.replay.reader import LogReader, format_time
@@ -116,19 +113,9 @@ def load_request(path: Path) -> RouteRequest:
                 f"{path} is neither JSON nor token ids separated by spaces or commas"
             ) from None
     try:
-        return RouteRequest.model_validate({"token_ids": doc} if isinstance(doc, list) else doc)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise SourceError(f"{path}: {first['msg']} at {'.'.join(map(str, first['loc']))}") from None
-
-
-def overrides_of(req: RouteRequest) -> SchedulerOverrides | None:
-    if req.weights is None:
-        return None
-    w = req.weights.model_dump()
-    if w["allowed_workers"] is not None:
-        w["allowed_workers"] = frozenset(w["allowed_workers"])
-    return SchedulerOverrides(**w)
+        return from_doc({"token_ids": doc} if isinstance(doc, list) else doc)
+    except InvalidRequest as exc:
+        raise SourceError(f"{path}: {exc}") from None
 
 
 def _decide_from_hashes(router: Router, add: AddRequest, now: float) -> RouteDecision:
@@ -166,7 +153,7 @@ def explain_at(
     refused = apply_ops(router, ops)
     decision = _score(
         lambda: router.find_best_match(
-            req.token_ids, req.lora_name, req.request_id, query_only=True, overrides=overrides_of(req)
+            req.token_ids, req.lora_name, req.request_id, query_only=True, overrides=overrides(req)
         )
     )
     notes = [f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes,
