@@ -112,7 +112,7 @@ class WorkerLoad(NamedTuple):
 
 
 class _Request:
-    __slots__ = ("request_id", "key", "prefill_tokens", "hashes", "serial", "ahead", "added_s")
+    __slots__ = ("request_id", "key", "prefill_tokens", "hashes", "serial", "ahead", "decode_blocks", "added_s")
 
     def __init__(
         self,
@@ -122,6 +122,7 @@ class _Request:
         hashes: Sequence[int],
         serial: int,
         ahead: int,
+        decode_blocks: int,
         added_s: float | None,
     ) -> None:
         self.request_id = request_id
@@ -131,6 +132,8 @@ class _Request:
         self.serial = serial
         #: Prefill tokens queued on the worker when this request was routed.
         self.ahead = ahead
+        #: Active decode blocks of the worker when this request was routed.
+        self.decode_blocks = decode_blocks
         self.added_s = added_s
 
 
@@ -178,7 +181,9 @@ class ActiveSequences:
         elif isinstance(op, PrefillDone):
             req = self._get(op.request_id, "prefill_done")
             if req.added_s is not None:  # the first prefill_done: the request's TTFT
-                self.rates.observe(req.key, req.ahead + req.prefill_tokens, op.timestamp - req.added_s)
+                self.rates.observe(
+                    req.key, req.ahead + req.prefill_tokens, op.timestamp - req.added_s, req.decode_blocks
+                )
                 req.added_s = None
             if req.prefill_tokens:
                 self._loads[req.key].prefill_tokens -= req.prefill_tokens
@@ -206,7 +211,8 @@ class ActiveSequences:
             load = self._loads[key] = _Load()
         prefill = max(op.isl - op.overlap_tokens, 0)
         req = _Request(
-            op.request_id, key, prefill, op.sequence_hashes, next(self._serial), load.prefill_tokens, op.timestamp
+            op.request_id, key, prefill, op.sequence_hashes, next(self._serial), load.prefill_tokens,
+            len(load.blocks), op.timestamp,
         )
         self._requests[op.request_id] = req
         load.prefill_tokens += prefill

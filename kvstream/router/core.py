@@ -93,8 +93,8 @@ class CoreActiveSequences:
             if not found:
                 raise _unknown(op.request_id, "prefill_done")
             if seen is not None:  # the first prefill_done: the request's TTFT
-                worker_id, dp_rank, tokens, seconds = seen
-                self.rates.observe(WorkerKey(worker_id, dp_rank), tokens, seconds)
+                worker_id, dp_rank, tokens, seconds, decode_blocks = seen
+                self.rates.observe(WorkerKey(worker_id, dp_rank), tokens, seconds, decode_blocks)
         elif isinstance(op, FreeRequest):
             if not core.free(op.request_id):
                 raise _unknown(op.request_id, "free")

@@ -7,8 +7,9 @@ time to first token it predicts there:
 ahead    = active_prefill_tokens[w]                  # queued prefill work, in tokens
 uncached = max(isl − (device + host + disk + external)[w]·B, 0)
 onboard  = host_onboard_ratio·host[w]·B + disk_onboard_ratio·(disk + external)[w]·B
-ttft[w]  = (ahead + uncached + onboard) / rate[w]    # seconds
-cost[w]  = ttft[w] + recompute_weight·uncached / rate[w]
+per_tok  = 1 / rate[w] + decode_slowdown·active_decode_blocks[w]   # seconds per token
+ttft[w]  = (ahead + uncached + onboard)·per_tok      # seconds
+cost[w]  = ttft[w] + recompute_weight·uncached·per_tok
 ```
 
 The cost is this request's predicted TTFT plus, weighted by ``ttft_recompute_weight``,
@@ -26,6 +27,17 @@ first token at t1, so the worker got through ``ahead + own`` tokens in ``t1 − 
 seconds (its TTFT). Rates are decayed sums (tokens and seconds separately, so large
 requests weigh as much as the work they carry); a worker with no sample yet gets the
 mean of the known rates, or the configured prior when none is known.
+
+``decode_slowdown`` (seconds per prefilled token per active decode block) is learned
+from the same observations, for the whole fleet: the requests already running on a
+worker slow its prefill (every step of a chunked prefill also decodes them and reads
+their KV, so a prompt of more chunks pays that more often), and they hold its memory
+and batch slots (a long prompt waits for room in G1 while they decode). Queued prefill
+alone shows neither. The model is ``TTFT = tokens·(1 / rate[w] + decode_slowdown·
+decode_blocks)`` (decode blocks as the router saw them when it routed the request),
+fitted by alternating least squares on decayed sums: each worker's rate from its TTFTs
+less the current slowdown, and the slowdown from the residuals against the current
+rates (never below 0).
 """
 
 from __future__ import annotations
@@ -51,23 +63,39 @@ DEFAULT_RATE_ALPHA = 0.01
 
 
 class PrefillRates:
-    """Per-worker prefill throughput (tokens/s) from observed times to first token."""
+    """Per-worker prefill throughput (tokens/s), and the fleet's prefill slowdown per
+    active decode block (seconds per token), from observed times to first token."""
 
     def __init__(self, alpha: float = DEFAULT_RATE_ALPHA) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = alpha
-        #: worker → (decayed tokens, decayed seconds)
+        #: worker → (decayed tokens, decayed seconds less the decode slowdown)
         self._sums: dict[WorkerKey, tuple[float, float]] = {}
+        #: decayed Σ x·residual and Σ x², x = tokens·decode_blocks (the slowdown's regression)
+        self._slowdown_sums = (0.0, 0.0)
 
-    def observe(self, key: WorkerKey, tokens: int, seconds: float) -> None:
-        """The worker went through ``tokens`` of prefill in ``seconds``. Samples with no
-        elapsed time (clock skew, a replay at one instant) carry no rate and are ignored."""
+    def observe(self, key: WorkerKey, tokens: int, seconds: float, decode_blocks: int = 0) -> None:
+        """The worker went through ``tokens`` of prefill in ``seconds`` while holding
+        ``decode_blocks`` for running requests (when the request was routed). Samples
+        with no elapsed time (clock skew, a replay at one instant) carry no rate and are
+        ignored."""
         if not seconds > 0 or tokens < 0:
             return
         a = self.alpha
-        t, s = self._sums.get(key, (float(tokens), seconds))
-        self._sums[key] = ((1 - a) * t + a * tokens, (1 - a) * s + a * seconds)
+        rate = self.rate(key)
+        x = float(tokens) * decode_blocks
+        if rate and x > 0:
+            xy, xx = self._slowdown_sums
+            self._slowdown_sums = ((1 - a) * xy + a * x * (seconds - tokens / rate), (1 - a) * xx + a * x * x)
+        net = max(seconds - self.decode_slowdown() * x, 0.0)
+        t, s = self._sums.get(key, (float(tokens), net))
+        self._sums[key] = ((1 - a) * t + a * tokens, (1 - a) * s + a * net)
+
+    def decode_slowdown(self) -> float:
+        """Seconds per prefilled token per active decode block of the worker (>= 0)."""
+        xy, xx = self._slowdown_sums
+        return max(xy / xx, 0.0) if xx > 0 else 0.0
 
     def rate(self, key: WorkerKey) -> float | None:
         sums = self._sums.get(key)
@@ -98,4 +126,5 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
     uncached = np.maximum(isl - (dev + host + disk + ext) * block_size, 0.0)
     onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
-    return (ahead + (1.0 + cfg.ttft_recompute_weight) * uncached + onboard) / rates
+    per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
+    return (ahead + (1.0 + cfg.ttft_recompute_weight) * uncached + onboard) * per_token

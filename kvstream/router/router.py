@@ -230,6 +230,7 @@ class Router:
             np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
             active.rates.rates_for(keys, self.config.scheduler.ttft_prior_tokens_per_s),
+            active.rates.decode_slowdown(),
         )
         return self.scheduler.schedule(isl, self.config.block_size, candidates, overrides)
 

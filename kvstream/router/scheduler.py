@@ -168,6 +168,8 @@ class Candidates:
     loads: np.ndarray
     #: (n,): learned prefill tokens/s per candidate, for the ttft policy (None: its prior).
     rates: np.ndarray | None = None
+    #: Learned prefill slowdown per active decode block (seconds per token), for ttft.
+    decode_slowdown_s: float = 0.0
 
     @classmethod
     def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:

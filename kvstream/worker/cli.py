@@ -79,6 +79,8 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 @click.option("--host-blocks", default=2048, show_default=True, type=click.IntRange(1), help="synthetic: G2 capacity.")
 @click.option("--disk-blocks", default=0, show_default=True, type=click.IntRange(0), help="synthetic: G3 capacity; 0: no disk tier.")
 @click.option("--disk-dir", type=click.Path(file_okay=False, path_type=Path), help="synthetic: where the G3 block file lives.")
+@click.option("--disk-min-seen", type=click.IntRange(1),
+              help="synthetic: sightings of a block before it goes on to G3 (default 1; docs/RESULTS.md).")
 def worker(
     engine: str,
     endpoints: tuple[str, ...],
@@ -105,6 +107,7 @@ def worker(
     host_blocks: int,
     disk_blocks: int,
     disk_dir: Path | None,
+    disk_min_seen: int | None,
 ) -> None:
     """Run a worker: publish an engine's KV-cache events to Kafka (DESIGN.md §3).
 
@@ -151,7 +154,7 @@ def worker(
     if engine == "synthetic":
         _run_synthetic(
             settings, options, Mode(ws.mode), stop, metrics_addr,
-            SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir),
+            SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir, disk_min_seen),
         )
         return
     try:
@@ -201,6 +204,8 @@ class SyntheticRun:
     host_blocks: int
     disk_blocks: int
     disk_dir: Path | None
+    #: None: the offload engine's default.
+    disk_min_seen: int | None
 
 
 def _run_synthetic(
@@ -218,6 +223,7 @@ def _run_synthetic(
     node_options = SyntheticNodeOptions(
         options, mode, device_blocks=run.device_blocks, host_blocks=run.host_blocks,
         disk_blocks=run.disk_blocks or None, disk_dir=run.disk_dir,
+        **({} if run.disk_min_seen is None else {"disk_min_seen": run.disk_min_seen}),
     )
     try:
         node = SyntheticNode(settings, node_options)

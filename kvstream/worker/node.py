@@ -34,6 +34,8 @@ class SyntheticNodeOptions:
     #: None: no disk tier.
     disk_blocks: int | None = 4096
     disk_dir: Path | None = None
+    #: Sightings of a block before it goes on to G3 (OffloadOptions.disk_min_seen).
+    disk_min_seen: int = OffloadOptions().disk_min_seen
     device: str | None = None
 
 
@@ -52,7 +54,10 @@ class SyntheticNode:
         )
         try:
             self.worker = SyntheticWorker(
-                SyntheticWorkerOptions(options.layout, options.device_blocks, pool, OffloadOptions(), options.device),
+                SyntheticWorkerOptions(
+                    options.layout, options.device_blocks, pool, OffloadOptions(disk_min_seen=options.disk_min_seen),
+                    options.device,
+                ),
                 self.consolidator,
             )
         except BaseException:

@@ -7,8 +7,12 @@
   directly, in the worker thread) and registers the blocks on G2.
 - A block on G2 goes on to G3 once the disk filter has seen it ``disk_min_seen`` times
   (each G1 registration or reuse is one sighting; counts halve every ``filter_decay``
-  sightings). A pool of disk threads writes batches with one gathered write per run of
-  consecutive G3 slots.
+  sightings). The default is one sighting, not DESIGN §8's "seen twice": in multi-turn
+  traffic a turn's new blocks are reused by the next turn, so a block seen once already
+  predicts reuse, and a second sighting usually comes from G1 or G2, too late for G3 to
+  matter (docs/RESULTS.md: on the Mooncake conversation trace G3 served 3.5 % of prompt
+  blocks with two sightings, 9.6 % with one). A pool of disk threads writes batches with
+  one gathered write per run of consecutive G3 slots.
 - A target tier that already holds a block is skipped. A block whose parent the target
   lacks brings its ancestors along (from the source tier), so chains on G2 and G3 stay
   prefix-closed. A G1 hit restores a missing G2 copy (the pool refreshes present ones on
@@ -50,8 +54,9 @@ class OffloadOptions:
     queue_blocks: int = 256
     #: Threads writing G2 → G3.
     disk_threads: int = 2
-    #: Sightings before a block is written to disk.
-    disk_min_seen: int = 2
+    #: Sightings before a block is written to disk (1: every block that reaches G2; 2
+    #: is DESIGN §8's "seen twice", for workloads where most blocks are never reused).
+    disk_min_seen: int = 1
     #: Every count of the disk filter halves after this many sightings (bounds its memory too).
     filter_decay: int = 65536
     #: G1 → G2 batches issued ahead of their completion on a GPU.

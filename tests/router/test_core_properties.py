@@ -154,6 +154,7 @@ def test_core_decides_as_the_reference(seed: int) -> None:
         # The ttft policy's learned rates are folded from the same ops.
         rates = ref.active.rates
         assert {k: rates.rate(k) for k in rates.keys()} == {k: core.active.rates.rate(k) for k in core.active.rates.keys()}
+        assert ref.active.rates.decode_slowdown() == core.active.rates.decode_slowdown()
 
 
 def test_buffer_bytes_and_list_prompts_decide_alike() -> None:

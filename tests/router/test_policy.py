@@ -28,13 +28,15 @@ A, B = WorkerKey(1, 0), WorkerKey(2, 0)
 TTFT = SchedulerConfig(policy="ttft")
 
 
-def reference_ttft(cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float) -> float:
+def reference_ttft(cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float, slowdown: float = 0.0) -> float:
     """The policy's formula for one candidate, written out plainly."""
     o = c.overlap
     ahead = c.active_prefill_tokens if c.has_load else 0
+    decode = c.active_decode_blocks if c.has_load else 0
+    per_token = 1 / rate + slowdown * decode
     uncached = max(isl - (o.device + o.host_pinned + o.disk + o.external) * bs, 0)
     onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
-    return (ahead + uncached + onboard) / rate + cfg.ttft_recompute_weight * uncached / rate
+    return (ahead + uncached + onboard) * per_token + cfg.ttft_recompute_weight * uncached * per_token
 
 
 overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(4)))
@@ -58,14 +60,15 @@ candidates = st.builds(
     host=st.floats(0, 2),
     disk=st.floats(0, 2),
     recompute=st.floats(0, 3),
+    slowdown=st.sampled_from([0.0, 1e-9, 3e-7]),
 )
-def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recompute) -> None:
+def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recompute, slowdown) -> None:
     cfg = SchedulerConfig(policy="ttft", ttft_host_onboard_ratio=host, ttft_disk_onboard_ratio=disk,
                           ttft_recompute_weight=recompute)
     base = Candidates.from_rows(rows)
-    c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]))
+    c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]), slowdown)
     got = predicted_ttft(cfg, isl, 16, c)
-    want = [reference_ttft(cfg, isl, 16, r, rate) for r, rate in zip(rows, rates)]
+    want = [reference_ttft(cfg, isl, 16, r, rate, slowdown) for r, rate in zip(rows, rates)]
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     # The scheduler picks a candidate of least predicted TTFT (temperature 0).
     sch = Scheduler(cfg, random.Random(0)).schedule(isl, 16, c)
@@ -117,6 +120,46 @@ def test_rates_are_decayed_sums_with_fallbacks() -> None:
     assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0).tolist() == [2000, 1000, 1500]
     with pytest.raises(ValueError):
         PrefillRates(alpha=0)
+
+
+def test_rates_and_the_decode_slowdown_are_learned_from_ttfts_made_by_the_model() -> None:
+    """TTFTs made by ``tokens·(1/rate[w] + slowdown·decode_blocks)`` with noise, on two
+    workers of different speeds: the alternating fit recovers both rates and the shared
+    slowdown; with no decode load at all it learns no slowdown."""
+    true = {A: 20_000.0, B: 10_000.0}
+    slowdown = 2e-8  # seconds per token per decode block
+    for noise, tol in ((0.0, 1e-3), (0.1, 0.25)):  # exact without noise; ~100 samples' worth with it
+        rng = np.random.default_rng(0)
+        r = PrefillRates(alpha=0.01)
+        for _ in range(20_000):
+            key = A if rng.random() < 0.5 else B
+            tokens, decode = int(rng.integers(100, 50_000)), int(rng.integers(0, 400))
+            seconds = tokens * (1 / true[key] + slowdown * decode) * rng.uniform(1 - noise, 1 + noise)
+            r.observe(key, tokens, seconds, decode)
+        assert r.rate(A) == pytest.approx(true[A], rel=max(tol, 0.02))
+        assert r.rate(B) == pytest.approx(true[B], rel=max(tol, 0.02))
+        assert r.decode_slowdown() == pytest.approx(slowdown, rel=tol)
+    idle = PrefillRates(alpha=0.01)
+    for _ in range(100):
+        idle.observe(A, 1000, 0.05)
+    assert idle.decode_slowdown() == 0.0 and idle.rate(A) == pytest.approx(20_000)
+
+
+def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
+    """Equal queued prefill and rates, no cache: without a learned slowdown the two
+    workers tie; with one, the worker holding 300 decode blocks costs more per token."""
+    a = Candidate(A, TierOverlap(), True, 1000, 300, 6, 200)
+    b = Candidate(B, TierOverlap(), True, 1000, 20, 1, 200)
+    base = Candidates.from_rows([a, b])
+    rates = np.array([20_000.0, 20_000.0])
+    flat = predicted_ttft(TTFT, 100_000, 512, Candidates(base.workers, base.overlaps, base.loads, rates))
+    assert flat[0] == flat[1]
+    slowed = Candidates(base.workers, base.overlaps, base.loads, rates, 2e-8)
+    assert Scheduler(TTFT, random.Random(0)).schedule(100_000, 512, slowed).chosen == 1
+    w = 1 + TTFT.ttft_recompute_weight
+    assert predicted_ttft(TTFT, 100_000, 512, slowed).tolist() == pytest.approx(
+        [(1000 + w * 100_000) * (1 / 20_000 + 2e-8 * d) for d in (300, 20)]
+    )
 
 
 def test_active_sequences_learn_the_rate_from_route_to_first_token() -> None:

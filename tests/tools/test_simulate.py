@@ -168,6 +168,25 @@ def test_engine_onboards_from_host_after_eviction(tmp_path: Path) -> None:
     engine.close()
 
 
+@pytest.mark.parametrize(("min_seen", "disk_blocks"), [(1, 4), (2, 0)])
+def test_a_next_turn_finds_its_previous_turn_on_disk_after_one_sighting(
+    tmp_path: Path, min_seen: int, disk_blocks: int
+) -> None:
+    """A turn's blocks were seen once (registered on G1) when G1 and G2 evict them; with
+    the default filter (one sighting) they went on to G3 and the next turn onboards them
+    from there; with "seen twice" they never reached G3 and are computed again."""
+    engine = SimEngine(0, EngineConfig(device_blocks=8, host_blocks=8, disk_blocks=32, disk_min_seen=min_seen),
+                       Consolidator(Writer()), tmp_path)
+    turn = list(range(64))  # 4 blocks; the other prompt's 8 then fill G1 and G2
+    for rid, tokens, at in (("turn1", turn, 0.0), ("other", list(range(1000, 1128)), 1.0),
+                            ("turn2", turn + [7] * 16, 2.0)):
+        engine.submit(_job(rid, tokens, at, out=1))
+        step = engine.end_step(engine.begin_step(at, float("inf")))
+    job = step.finished[0]
+    assert (job.device_blocks, job.host_blocks, job.disk_blocks) == (0, 0, disk_blocks)
+    engine.close()
+
+
 def test_min_step_and_decode_cost_growing_with_the_batch_tokens(tmp_path: Path) -> None:
     cost = CostModel(prefill_ms_per_token=0.01, decode_ms_per_token=1.0, decode_ms_per_context_token=0.5,
                      min_step_ms=5.0, batch_limit=4, max_batch_tokens=64)

@@ -50,7 +50,7 @@ def test_inline_offload_copies_before_register_returns(tmp_path: Path) -> None:
     sink = Sink()
     pool = _pool(tmp_path, sink)
     before = threading.active_count()
-    engine = OffloadEngine(pool, OffloadOptions(inline=True, batch_blocks=2))
+    engine = OffloadEngine(pool, OffloadOptions(inline=True, batch_blocks=2, disk_min_seen=2))
     assert threading.active_count() == before  # no copy threads
     seq = _put(pool, 3)
     # Already on G2, with the same bytes, and reported as one G2 store of the chain.

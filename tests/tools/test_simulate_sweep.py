@@ -129,7 +129,8 @@ def test_cli_sweep_windows_references_and_every_flag(tmp_path: Path) -> None:
     assert res.exit_code != 0 and "--sweep" in res.output
     help_text = runner.invoke(cli, ["simulate", "--help"]).output
     for flag in ("--overlap-score-credit", "--prefill-load-scale", "--ttft-prior-tokens-per-s", "--min-step-ms",
-                 "--max-batch-tokens", "--decode-ms-per-context-token", "--host-tokens", "--disk-tokens"):
+                 "--max-batch-tokens", "--decode-ms-per-context-token", "--host-tokens", "--disk-tokens",
+                 "--disk-min-seen"):
         assert flag in help_text
 
 

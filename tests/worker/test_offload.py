@@ -38,7 +38,9 @@ def assert_consistent(pool, sink):
             assert checksum(pool.read_block(tier.tier, h)) == expected(h), (tier.tier, h)
 
 
-def test_write_through_to_host_with_exact_events(make_pool, sink):
+def test_write_through_to_host_and_disk_with_exact_events(make_pool, sink):
+    # The default disk filter admits a block on its first sighting: a new chain goes
+    # G1 → G2 → G3 at once (a turn's blocks are what the next turn reuses).
     pool = make_pool()
     engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4))
     local, seq = chain(3)
@@ -47,16 +49,17 @@ def test_write_through_to_host_with_exact_events(make_pool, sink):
     assert sink.take() == [
         SourceStored(G1, 0, None, tuple(seq), tuple(local)),
         SourceStored(G2, 0, None, tuple(seq), tuple(local)),
+        SourceStored(G3, 0, None, tuple(seq), tuple(local)),
     ]
     stats = engine.stats()
-    assert (stats.written_host, stats.written_disk, stats.bytes_host) == (3, 0, 3 * pool.layout.block_bytes)
+    assert (stats.written_host, stats.written_disk, stats.bytes_host) == (3, 3, 3 * pool.layout.block_bytes)
     assert engine.close().drained
     assert_consistent(pool, sink)
 
 
 def test_disk_filter_writes_blocks_seen_twice(make_pool, sink):
     pool = make_pool()
-    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4))
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4, disk_min_seen=2))
     local, seq = chain(2)
     put(pool, local, seq)
     assert engine.wait_idle(10)
@@ -81,7 +84,7 @@ def test_disk_filter_decays():
 
 def test_targets_that_hold_the_block_are_skipped(make_pool, sink):
     pool = make_pool()
-    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4))
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=4, disk_min_seen=2))
     local, seq = chain(2)
     put(pool, local, seq)
     assert engine.wait_idle(10)
@@ -261,6 +264,7 @@ def test_a_child_brings_its_missing_parent_chain(make_pool, sink):
     assert sink.take() == [
         SourceStored(G1, 0, seq[0], tuple(seq[1:]), tuple(local[1:])),
         SourceStored(G2, 0, None, tuple(seq), tuple(local)),
+        SourceStored(G3, 0, seq[0], tuple(seq[1:]), tuple(local[1:])),  # G3 kept the root
     ]
     assert engine.stats().skipped_orphan == 0
     engine.close()
@@ -380,15 +384,16 @@ def test_disk_write_failure_is_counted_and_corrupts_nothing(make_pool, sink):
 @given(
     prompts=st.lists(
         st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(1, 3)), min_size=1, max_size=40
-    )
+    ),
+    min_seen=st.sampled_from([1, 2]),
 )
-def test_chains_on_g2_and_g3_stay_prefix_closed(make_pool, sink, prompts):
+def test_chains_on_g2_and_g3_stay_prefix_closed(make_pool, sink, prompts, min_seen):
     """Prompts of shared roots and branches, onboarded from the lower tiers and
     offloaded inline through small tiers: every block held on G2 or G3 has its parent
     there too, and the bytes that went down and back are the ones written."""
     sink.events.clear()
     pool = make_pool(device=6, host=5, disk=7)
-    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=2, inline=True))
+    engine = OffloadEngine(pool, OffloadOptions(batch_blocks=2, inline=True, disk_min_seen=min_seen))
     onboarder = Onboarder(pool)
     bs = SMALL.block_size
     for root, branch, depth in prompts:

@@ -32,6 +32,12 @@ def test_synthetic_disk_tier_needs_a_directory():
     assert "--disk-dir" in result.output
 
 
+def test_disk_min_seen_must_be_positive():
+    result = CliRunner().invoke(cli, ["worker", "--engine", "synthetic", "--worker-id", "1", "--disk-min-seen", "0"])
+    assert result.exit_code == 2
+    assert "--disk-min-seen" in result.output
+
+
 def test_zmq_engine_needs_an_endpoint():
     result = CliRunner().invoke(cli, ["worker", "--engine", "zmq", "--worker-id", "1"])
     assert result.exit_code == 2
@@ -164,6 +170,8 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     # 40 prompts of up to 10 blocks overflow G1 (64 blocks): blocks went down the tiers.
     assert 0 < sizes[key]["device"] <= 64
     assert sizes[key]["host_pinned"] > 0
+    # ...and on to G3 (the disk filter admits a block on its first sighting by default).
+    assert sizes[key]["disk"] > 0
 
 
 def test_replay_endpoints_pair_with_endpoints():

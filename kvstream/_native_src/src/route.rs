@@ -75,6 +75,8 @@ struct Req {
     serial: u64,
     /// Prefill tokens queued on the worker when the request was added.
     ahead: i64,
+    /// Active decode blocks of the worker when the request was added.
+    decode: i64,
     /// When it was added, until its first prefill_done (the ttft policy learns from it).
     added: Option<f64>,
 }
@@ -141,6 +143,7 @@ impl ActiveCore {
         let prefill = (isl - overlap).max(0);
         let load = self.loads.entry(key).or_default();
         let ahead = load.prefill;
+        let decode = load.blocks.len() as i64;
         load.prefill += prefill;
         load.requests += 1;
         for &h in &hashes {
@@ -149,7 +152,7 @@ impl ActiveCore {
         let serial = self.serial;
         self.serial += 1;
         self.expiry.push(Reverse((Stamp(ts), serial, rid.clone())));
-        self.requests.insert(rid, Req { key, prefill, hashes, serial, ahead, added: Some(ts) });
+        self.requests.insert(rid, Req { key, prefill, hashes, serial, ahead, decode, added: Some(ts) });
         true
     }
 
@@ -372,11 +375,11 @@ impl ActiveCore {
 
     /// The request's prefill tokens stop loading its worker. (False, None) when not
     /// active; else (True, and on its first prefill_done (worker_id, dp_rank, tokens ahead
-    /// + its own, seconds since added) for the ttft policy's rates).
+    /// + its own, seconds since added, decode blocks when added) for the ttft policy's rates).
     #[allow(clippy::type_complexity)]
-    fn prefill_done(&mut self, request_id: &str, timestamp: f64) -> (bool, Option<(i64, i64, i64, f64)>) {
+    fn prefill_done(&mut self, request_id: &str, timestamp: f64) -> (bool, Option<(i64, i64, i64, f64, i64)>) {
         let Some(req) = self.requests.get_mut(request_id) else { return (false, None) };
-        let seen = req.added.take().map(|t| (req.key.0, req.key.1, req.ahead + req.prefill, timestamp - t));
+        let seen = req.added.take().map(|t| (req.key.0, req.key.1, req.ahead + req.prefill, timestamp - t, req.decode));
         if req.prefill != 0 {
             self.loads.get_mut(&req.key).expect("load entry").prefill -= req.prefill;
             req.prefill = 0;

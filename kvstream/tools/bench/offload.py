@@ -152,7 +152,8 @@ def offload_bench(
     base_path = base_dir / "baseline.blocks"
     options = PoolOptions(host_capacity=n, disk_capacity=n, disk_path=g3_path)
     try:
-        offload_options = OffloadOptions(batch_blocks=batch_blocks, disk_threads=disk_threads)
+        # Two sightings before G3, so that g1_to_g2 and g2_to_g3 are timed apart.
+        offload_options = OffloadOptions(batch_blocks=batch_blocks, disk_threads=disk_threads, disk_min_seen=2)
         pool = TieredBlockPool.create(layout, n, options, _NullSink(), device=device)
     except (PoolConfigError, LayoutError, DiskTierError) as exc:
         tmp.cleanup()

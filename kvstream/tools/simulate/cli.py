@@ -82,6 +82,8 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
               show_default=True, help="G2 capacity per worker, in tokens.")
 @click.option("--disk-tokens", type=click.IntRange(min=0), default=_ENGINE.disk_blocks * _ENGINE.block_size,
               show_default=True, help="G3 capacity per worker, in tokens (0: no disk tier).")
+@click.option("--disk-min-seen", type=click.IntRange(min=1), default=_ENGINE.disk_min_seen, show_default=True,
+              help="Sightings of a block (G1 registrations, hits, onboards) before it goes on to G3.")
 @_dataclass_options(CostModel, "cost: ")
 @_dataclass_options(SchedulerConfig, "router: ", skip=("allowed_workers", "policy"))
 @click.option("--window", type=click.IntRange(min=1), default=3000, show_default=True,
@@ -102,7 +104,7 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
 def simulate(
     trace_path: Path | None, speed: float, limit: int | None, sessions: int, workers: int,
     policies: tuple[str, ...], mode: str, seed: int, block_size: int, device_tokens: int, host_tokens: int,
-    disk_tokens: int, window: int, sweep_spec: str | None, jobs: int, bootstrap: str | None, config_file: str | None,
+    disk_tokens: int, disk_min_seen: int, window: int, sweep_spec: str | None, jobs: int, bootstrap: str | None, config_file: str | None,
     topic_prefix: str | None, replicas: int, plot_path: Path | None, progress: bool | None, as_json: bool,
     **weights: Any,
 ) -> None:
@@ -116,6 +118,7 @@ def simulate(
             host_blocks=host_tokens // block_size,
             disk_blocks=disk_tokens // block_size,
             block_size=block_size,
+            disk_min_seen=disk_min_seen,
             cost=cost,
         )
         make_log = _log_factory(bootstrap, config_file, topic_prefix, replicas)

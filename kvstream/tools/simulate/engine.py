@@ -97,6 +97,8 @@ class EngineConfig:
     host_blocks: int = 65536
     disk_blocks: int = 262144
     block_size: int = 16
+    #: Sightings before a block goes on to G3 (the offload engine's disk filter).
+    disk_min_seen: int = OffloadOptions().disk_min_seen
     cost: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ class EngineConfig:
             raise SimulationError(
                 "device and host capacities and block_size must be positive, disk capacity >= 0"
             )
+        if self.disk_min_seen <= 0:
+            raise SimulationError(f"disk_min_seen must be positive, got {self.disk_min_seen}")
 
 
 @dataclass(slots=True)
@@ -157,7 +161,7 @@ class SimEngine:
             sink,
             device=torch.device("cpu"),
         )
-        self.offload = OffloadEngine(self.pool, OffloadOptions(inline=True))
+        self.offload = OffloadEngine(self.pool, OffloadOptions(inline=True, disk_min_seen=config.disk_min_seen))
         self.onboarder = Onboarder(self.pool)
         self.waiting: deque[Job] = deque()
         #: Admitted, prompt not fully prefilled yet (first come first served).
