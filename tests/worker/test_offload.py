@@ -166,16 +166,22 @@ def test_concurrent_registration_and_eviction_round_trip(make_pool, sink):
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=producer, args=(e, b)) for e, b in zip(engines, (0, 50_000))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert offload.wait_idle(20)
+    # Whether a round's prompts find their blocks on G2/G3 depends on how far the
+    # asynchronous offload got meanwhile (on a loaded machine: sometimes not at all), so
+    # rounds repeat, from a settled pool, until both tiers have served blocks.
+    for _round in range(5):
+        threads = [threading.Thread(target=producer, args=(e, b)) for e, b in zip(engines, (0, 50_000))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert offload.wait_idle(20)
+        hits = [sum(getattr(e.stats, k) for e in engines) for k in ("host_hits", "disk_hits")]
+        if all(hits):
+            break
     stats = offload.stats()
     assert stats.written_host > 0 and stats.written_disk > 0 and stats.failed == 0
-    hits = [sum(getattr(e.stats, k) for e in engines) for k in ("host_hits", "disk_hits")]
     assert all(hits), hits  # blocks came back from G2 and from G3 (and were verified)
     offload.close()
     assert_consistent(pool, sink)
