@@ -72,13 +72,16 @@ def fold_in_slices(
     lock: AbstractContextManager[Any], records: Sequence[_T], apply: Callable[[Sequence[_T]], None], size: int = FOLD_SLICE
 ) -> None:
     """``apply`` consecutive slices of ``records`` of at most ``size``, each under one
-    hold of ``lock``; the GIL is given up between slices so that a route thread woken
-    by the release takes the lock before this thread takes it again."""
+    hold of ``lock``. The GIL is given up between slices, so that a route thread woken
+    by the release takes the lock before this thread takes it again; not after the last
+    one (a thread that folds a few records per wake-up would otherwise queue behind
+    every route for a GIL switch interval, and fall behind a busy router)."""
     step = max(1, size)
     for i in range(0, len(records), step):
+        if i:
+            time.sleep(0)
         with lock:
             apply(records[i : i + step])
-        time.sleep(0)
 
 
 @dataclass(slots=True)
