@@ -28,10 +28,10 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from contextlib import AbstractContextManager
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored

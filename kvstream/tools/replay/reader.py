@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -246,32 +249,59 @@ class LogReader:
         )
         active = set(todo)
         try:
-            while follow or active:
-                for m in c.consume(1000, 0.2):
-                    p = m.partition()
-                    err = m.error()
-                    if err is not None:
-                        if err.code() == KafkaError._PARTITION_EOF:
-                            if not follow:
-                                self._done(active, p)
-                            continue
-                        raise ReplayError(f"reading {self.topic} partition {p}: {err.str()}")
-                    if p not in active and not follow:
-                        continue  # already fetched past its end
-                    off = m.offset()
-                    if not follow and off >= end[p]:  # type: ignore[index]
-                        self._done(active, p)
-                        continue
-                    bar.update(1)
-                    yield Record(p, off, m.timestamp()[1], m.key(), m.value(), is_tick(m.headers()))
-                    if not follow and off + 1 >= end[p]:  # type: ignore[index]
-                        self._done(active, p)
+            with _interrupt_flag(follow) as interrupted:
+                yield from self._records(c, end, follow, active, bar, interrupted)
+            if interrupted.is_set():
+                raise KeyboardInterrupt
         finally:
             bar.close()
             if not self._closed:  # a generator dropped after close() ends here too
                 c.unassign()
 
+    def _records(
+        self, c: Consumer, end: dict[int, int] | None, follow: bool, active: set[int], bar: tqdm,
+        interrupted: threading.Event,
+    ) -> Iterator[Record]:
+        while (follow and not interrupted.is_set()) or active:
+            for m in c.consume(1000, 0.2):
+                p = m.partition()
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        if not follow:
+                            self._done(active, p)
+                        continue
+                    raise ReplayError(f"reading {self.topic} partition {p}: {err.str()}")
+                if p not in active and not follow:
+                    continue  # already fetched past its end
+                off = m.offset()
+                if not follow and off >= end[p]:  # type: ignore[index]
+                    self._done(active, p)
+                    continue
+                bar.update(1)
+                yield Record(p, off, m.timestamp()[1], m.key(), m.value(), is_tick(m.headers()))
+                if not follow and off + 1 >= end[p]:  # type: ignore[index]
+                    self._done(active, p)
+
     def _done(self, active: set[int], p: int) -> None:
         if p in active:
             active.discard(p)
             self._consumer.pause([TopicPartition(self.topic, p)])
+
+
+@contextmanager
+def _interrupt_flag(follow: bool) -> Iterator[threading.Event]:
+    """While following the log from the main thread, Ctrl-C sets a flag that the read
+    loop checks between polls, instead of raising wherever Python happens to be: a
+    KeyboardInterrupt raised inside one of librdkafka's callbacks (its log lines come
+    through one) can be lost, and the follow never ends."""
+    flag = threading.Event()
+    if not follow or threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+

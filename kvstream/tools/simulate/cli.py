@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import fields
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,9 @@ def simulate(
         ]
         if jobs > 1:
             # Each run is independent and deterministic: separate processes give the same results.
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
+            # Spawned, not forked: a fork copies the caller's threads' state (Kafka clients,
+            # torch), and a forked run crashed in its garbage collector.
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
                 futures = [pool.submit(run_simulation, reqs, opts, memory_log) for _, reqs, opts in runs]
                 results = [f.result() for f in futures]
         else:
