@@ -262,7 +262,8 @@ class LogReader:
         self, c: Consumer, end: dict[int, int] | None, follow: bool, active: set[int], bar: tqdm,
         interrupted: threading.Event,
     ) -> Iterator[Record]:
-        while (follow and not interrupted.is_set()) or active:
+        # Following ends only on Ctrl-C; a range ends when every partition is done.
+        while not interrupted.is_set() if follow else active:
             for m in c.consume(1000, 0.2):
                 p = m.partition()
                 err = m.error()
