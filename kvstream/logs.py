@@ -8,7 +8,19 @@ import sys
 import structlog
 
 
+#: The (level, format) of the last configure_logging, for processes this one spawns.
+_current = ("INFO", "console")
+
+
+def current_logging() -> tuple[str, str]:
+    """Arguments that give a spawned process this process's logging (a spawned Python
+    starts with structlog's default, which prints to stdout: into a --json answer)."""
+    return _current
+
+
 def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
+    global _current
+    _current = (level, fmt)
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"

@@ -71,6 +71,8 @@ class RouterSettings(BaseModel):
     ttft_host_onboard_ratio: float = Field(0.1, ge=0)
     ttft_disk_onboard_ratio: float = Field(0.5, ge=0)
     ttft_recompute_weight: float = Field(0.5, ge=0)
+    #: ttft: the fleet's learned throughput for every worker, or each worker's own.
+    ttft_rate_scope: Literal["fleet", "worker"] = "fleet"
     #: kv decisions and load in the compiled core (false: the Python reference model).
     compiled: bool = True
 

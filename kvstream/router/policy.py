@@ -9,24 +9,35 @@ uncached = max(isl − (device + host + disk + external)[w]·B, 0)
 onboard  = host_onboard_ratio·host[w]·B + disk_onboard_ratio·(disk + external)[w]·B
 per_tok  = 1 / rate[w] + decode_slowdown·active_decode_blocks[w]   # seconds per token
 ttft[w]  = (ahead + uncached + onboard)·per_tok      # seconds
-cost[w]  = ttft[w] + recompute_weight·uncached·per_tok
+busy     = share of the candidates with prefill queued (ahead > 0)
+cost[w]  = ttft[w] + recompute_weight·busy·uncached·per_tok
 ```
 
-The cost is this request's predicted TTFT plus, weighted by ``ttft_recompute_weight``,
-the time its uncached prefill adds to the queue of every request routed after it to the
-same worker: without it (weight 0) the policy is greedy for each request and, once
-queues are long, gives up cache reuse that would have shortened everyone's wait (on the
-Mooncake trace at 3× speed, weight 0.5 against 0: TTFT p50 −7%, p99 −2%, hit rate +2
-points; weight 1 gains 1% more on p50 and loses 3.6% of p99).
+The cost is this request's predicted TTFT plus the time its uncached prefill adds to
+the requests routed after it to the same worker. Those requests only wait for it when
+they have nowhere better to go, which is as likely as the fleet is busy: the
+``ttft_recompute_weight`` is scaled by the share of candidates with prefill queued.
+With it the policy keeps cache reuse that shortens everyone's wait once queues are long
+(on the Mooncake trace at 3× speed, weight 0.5 against 0: TTFT p50 506 against 527 ms,
+p99 4113 against 4204 ms); unscaled, it sent a request whose prefix sat behind a long
+queue to that queue even while idle workers could compute the prompt sooner, and some
+of those joined the slowest 1 % (docs/RESULTS.md).
 
 Onboarding is counted in prefill-token equivalents (moving a token's KV up a tier costs
-that fraction of computing it). ``rate[w]`` is the worker's prefill throughput learned
-online by :class:`PrefillRates` from what the router observes: a request routed at t0
-with ``ahead`` tokens queued before it and ``own`` tokens of its own prefill reports its
+that fraction of computing it). ``rate`` is prefill throughput learned online by
+:class:`PrefillRates` from what the router observes: a request routed at t0 with
+``ahead`` tokens queued before it and ``own`` tokens of its own prefill reports its
 first token at t1, so the worker got through ``ahead + own`` tokens in ``t1 − t0``
 seconds (its TTFT). Rates are decayed sums (tokens and seconds separately, so large
-requests weigh as much as the work they carry); a worker with no sample yet gets the
-mean of the known rates, or the configured prior when none is known.
+requests weigh as much as the work they carry), kept per worker. By default
+(``ttft_rate_scope = "fleet"``) the policy prices every worker at the fleet's rate, the
+per-worker sums pooled: one TTFT also carries what the router cannot see (onboarding
+that dedup reports as device hits, prefill already done of the requests counted
+ahead), so the per-worker estimates of identical workers drift apart with their
+traffic (13k–18k tokens/s on the Mooncake trace) and long prompts chased the worker
+that looked fastest past idle ones. ``"worker"`` prices each at its own rate, for a
+fleet of unequal GPUs; a worker with no sample yet gets the mean of the known rates,
+or the configured prior when none is known.
 
 ``decode_slowdown`` (seconds per prefilled token per active decode block) is learned
 from the same observations, for the whole fleet: the requests already running on a
@@ -54,6 +65,10 @@ if TYPE_CHECKING:
 
 #: The policies a router can apply (``SchedulerConfig.policy``).
 POLICIES = ("kv", "ttft")
+
+#: Whose throughput prices a worker in ``ttft`` (``SchedulerConfig.ttft_rate_scope``):
+#: the fleet's pooled rate, or the worker's own.
+RATE_SCOPES = ("fleet", "worker")
 
 #: Weight of the newest observation in the decayed sums of :class:`PrefillRates`: small,
 #: because one request's TTFT is a noisy sample (the work queued ahead of it was partly
@@ -103,8 +118,19 @@ class PrefillRates:
             return None
         return sums[0] / sums[1]
 
-    def rates_for(self, keys: Sequence[WorkerKey], prior: float) -> np.ndarray:
-        """Tokens/s per key; unknown workers get the mean known rate, else ``prior``."""
+    def fleet_rate(self) -> float | None:
+        """The workers' decayed sums pooled: the fleet's tokens/s (None: no sample)."""
+        tokens = sum(t for t, _ in self._sums.values())
+        seconds = sum(s for _, s in self._sums.values())
+        return tokens / seconds if seconds > 0 else None
+
+    def rates_for(self, keys: Sequence[WorkerKey], prior: float, scope: str) -> np.ndarray:
+        """Tokens/s per key. ``scope="fleet"``: the fleet's rate for every key (``prior``
+        before any sample); ``"worker"``: each key's own, the mean known rate for a key
+        with none, else ``prior``."""
+        if scope == "fleet":
+            fleet = self.fleet_rate()
+            return np.full(len(keys), fleet if fleet is not None else prior, dtype=np.float64)
         known = [self.rate(k) for k in keys]
         seen = [r for r in known if r is not None and r > 0]
         fallback = float(np.mean(seen)) if seen else prior
@@ -127,4 +153,5 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
     onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
     per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
-    return (ahead + (1.0 + cfg.ttft_recompute_weight) * uncached + onboard) * per_token
+    recompute = cfg.ttft_recompute_weight * float(np.count_nonzero(ahead)) / max(len(c), 1)
+    return (ahead + (1.0 + recompute) * uncached + onboard) * per_token

@@ -225,11 +225,12 @@ class Router:
         n = len(keys)
         flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
         overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]
+        sched = self.config.scheduler
         candidates = Candidates(
             keys,
             np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
-            active.rates.rates_for(keys, self.config.scheduler.ttft_prior_tokens_per_s),
+            active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope),
             active.rates.decode_slowdown(),
         )
         return self.scheduler.schedule(isl, self.config.block_size, candidates, overrides)

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvstream.router.errors import NoEligibleWorkerError, SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
-from kvstream.router.policy import POLICIES, predicted_ttft
+from kvstream.router.policy import POLICIES, RATE_SCOPES, predicted_ttft
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +51,12 @@ class SchedulerConfig:
     #: ~20k tokens/s of compute at 128 KiB of KV per token: the simulator's defaults).
     ttft_host_onboard_ratio: float = 0.1
     ttft_disk_onboard_ratio: float = 0.5
-    #: ttft: weight of the delay a request's uncached prefill puts on later ones.
+    #: ttft: weight of the delay a request's uncached prefill puts on later ones (scaled
+    #: by the share of candidates with prefill queued).
     ttft_recompute_weight: float = 0.5
+    #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
+    #: its own ("worker": for a fleet of unequal GPUs).
+    ttft_rate_scope: str = "fleet"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -61,6 +65,11 @@ class SchedulerConfig:
                 if value not in POLICIES:
                     raise SchedulerConfigError(
                         f"policy must be one of {', '.join(POLICIES)}, got {value!r}"
+                    )
+            elif f.name == "ttft_rate_scope":
+                if value not in RATE_SCOPES:
+                    raise SchedulerConfigError(
+                        f"ttft_rate_scope must be one of {', '.join(RATE_SCOPES)}, got {value!r}"
                     )
             elif f.name == "ttft_prior_tokens_per_s" and not (
                 isinstance(value, int | float) and math.isfinite(value) and value > 0

@@ -28,15 +28,18 @@ A, B = WorkerKey(1, 0), WorkerKey(2, 0)
 TTFT = SchedulerConfig(policy="ttft")
 
 
-def reference_ttft(cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float, slowdown: float = 0.0) -> float:
-    """The policy's formula for one candidate, written out plainly."""
+def reference_ttft(
+    cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float, slowdown: float = 0.0, busy: float = 1.0
+) -> float:
+    """The policy's formula for one candidate, written out plainly (``busy``: the share
+    of candidates with prefill queued)."""
     o = c.overlap
     ahead = c.active_prefill_tokens if c.has_load else 0
     decode = c.active_decode_blocks if c.has_load else 0
     per_token = 1 / rate + slowdown * decode
     uncached = max(isl - (o.device + o.host_pinned + o.disk + o.external) * bs, 0)
     onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
-    return (ahead + uncached + onboard) * per_token + cfg.ttft_recompute_weight * uncached * per_token
+    return (ahead + uncached + onboard) * per_token + cfg.ttft_recompute_weight * busy * uncached * per_token
 
 
 overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(4)))
@@ -68,7 +71,8 @@ def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recomp
     base = Candidates.from_rows(rows)
     c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]), slowdown)
     got = predicted_ttft(cfg, isl, 16, c)
-    want = [reference_ttft(cfg, isl, 16, r, rate, slowdown) for r, rate in zip(rows, rates)]
+    busy = sum(1 for r in rows if r.has_load and r.active_prefill_tokens > 0) / len(rows)
+    want = [reference_ttft(cfg, isl, 16, r, rate, slowdown, busy) for r, rate in zip(rows, rates)]
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     # The scheduler picks a candidate of least predicted TTFT (temperature 0).
     sch = Scheduler(cfg, random.Random(0)).schedule(isl, 16, c)
@@ -80,8 +84,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     """The issue's case: A holds half of a short prompt but has 30k tokens of prefill
     queued; B has no prefill queued but 100 blocks decoding. kv (§5) weighs a queued
     prefill block like a decode block (62.6 against 108) and picks A; ttft predicts
-    1.55 s on A against 0.1 s on B and picks B (its cost adds the recompute weight
-    times each one's own uncached prefill time)."""
+    1.56 s on A against 0.13 s on B and picks B (its cost adds the recompute weight,
+    times the share of busy candidates, times each one's own uncached prefill time)."""
     a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2)
     b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4)
     isl = 2048
@@ -90,7 +94,7 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     ttft = Scheduler(TTFT, random.Random(0)).schedule(isl, 512, cands)
     assert kv.chosen == 0
     assert ttft.chosen == 1
-    w = 1 + TTFT.ttft_recompute_weight
+    w = 1 + TTFT.ttft_recompute_weight / 2  # one of the two has prefill queued
     assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + w * 1024) / 20.0, w * 2048 / 20.0])
 
 
@@ -109,7 +113,7 @@ def test_onboarding_costs_by_tier_and_learned_rates() -> None:
 def test_rates_are_decayed_sums_with_fallbacks() -> None:
     r = PrefillRates(alpha=0.5)
     assert r.rate(A) is None
-    assert r.rates_for([A, B], prior=7.0).tolist() == [7.0, 7.0]
+    assert r.rates_for([A, B], prior=7.0, scope="worker").tolist() == [7.0, 7.0]
     r.observe(A, 1000, 1.0)
     assert r.rate(A) == 1000
     r.observe(A, 3000, 1.0)  # sums: tokens 0.5·1000 + 0.5·3000 = 2000, seconds 1
@@ -117,9 +121,66 @@ def test_rates_are_decayed_sums_with_fallbacks() -> None:
     r.observe(A, 10, 0.0)  # no elapsed time: no information
     assert r.rate(A) == 2000
     r.observe(B, 1000, 1.0)
-    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0).tolist() == [2000, 1000, 1500]
+    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0, scope="worker").tolist() == [2000, 1000, 1500]
     with pytest.raises(ValueError):
         PrefillRates(alpha=0)
+
+
+def test_the_fleet_scope_prices_every_worker_at_the_pooled_rate() -> None:
+    r = PrefillRates(alpha=0.5)
+    assert r.fleet_rate() is None
+    assert r.rates_for([A, B], prior=7.0, scope="fleet").tolist() == [7.0, 7.0]
+    r.observe(A, 4000, 0.2)  # 20k tokens/s
+    r.observe(B, 1000, 0.1)  # 10k tokens/s
+    pooled = (4000 + 1000) / (0.2 + 0.1)
+    assert r.fleet_rate() == pytest.approx(pooled)
+    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0, scope="fleet").tolist() == pytest.approx([pooled] * 3)
+    assert r.rates_for([A, B], prior=7.0, scope="worker").tolist() == pytest.approx([20_000, 10_000])
+    with pytest.raises(SchedulerConfigError, match="ttft_rate_scope"):
+        SchedulerConfig(ttft_rate_scope="rack")
+
+
+def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
+    """Two identical workers whose TTFTs carried different hidden work (one onboarded
+    from disk, which dedup reports as device hits) learn different rates; priced at
+    their own, a long uncached prompt goes to the one that looks faster although 20k
+    tokens are queued there, priced at the fleet's it goes to the idle one."""
+    router = Router(RouterConfig(block_size=512), clock=lambda: 0.0, rng=random.Random(0))
+    for _ in range(50):
+        router.active.rates.observe(A, 20_000, 1.0)
+        router.active.rates.observe(B, 20_000, 1.5)
+    a = Candidate(A, TierOverlap(), True, 20_000, 10, 1, 196)
+    b = Candidate(B, TierOverlap(), False, 0, 0, 0, 196)
+    base = Candidates.from_rows([a, b])
+    isl = 100_000
+    for scope, chosen in (("worker", 0), ("fleet", 1)):
+        rates = router.active.rates.rates_for(base.workers, 20_000.0, scope)
+        cands = Candidates(base.workers, base.overlaps, base.loads, rates)
+        cfg = SchedulerConfig(policy="ttft", ttft_rate_scope=scope)
+        assert Scheduler(cfg, random.Random(0)).schedule(isl, 512, cands).chosen == chosen, scope
+
+
+def test_recomputing_elsewhere_beats_a_cached_prefix_behind_a_long_queue_only_while_others_are_idle() -> None:
+    """A holds all but one block of a 64k-token prompt behind 70k queued tokens. With
+    the other seven workers idle, later requests would not wait behind this one's
+    prefill, so computing it on an idle worker (3.4 s) beats A's queue (3.5 s). With
+    every other worker busy too, the recompute weight applies in full and A wins."""
+    isl, bs = 125 * 512, 512
+    rates = np.full(8, 20_000.0)
+    held = Candidate(A, TierOverlap(device=124), True, 70_000, 0, 3, 1)
+
+    def others(queued: int) -> list[Candidate]:
+        return [Candidate(WorkerKey(w, 0), TierOverlap(), queued > 0, queued, 0, 1, 125) for w in range(2, 9)]
+
+    for queued, chosen_held in ((0, False), (10_000, True)):
+        rows = [held, *others(queued)]
+        base = Candidates.from_rows(rows)
+        c = Candidates(base.workers, base.overlaps, base.loads, rates)
+        sch = Scheduler(TTFT, random.Random(0)).schedule(isl, bs, c)
+        assert (sch.chosen == 0) is chosen_held, queued
+        busy = (1 + (7 if queued else 0)) / 8
+        want = [reference_ttft(TTFT, isl, bs, r, 20_000.0, busy=busy) for r in rows]
+        assert sch.columns.logit.tolist() == pytest.approx([w * 1000 for w in want])
 
 
 def test_rates_and_the_decode_slowdown_are_learned_from_ttfts_made_by_the_model() -> None:

@@ -17,6 +17,7 @@ events_partitions = 6
 
 [router]
 host_cache_hit_weight = 0.5
+ttft_rate_scope = "worker"
 
 [replica]
 port = 9000
@@ -38,6 +39,7 @@ def test_layers_in_order(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.scheduler.host_cache_hit_weight == 0.5
     assert cfg.scheduler.disk_cache_hit_weight == 0.1
     assert cfg.scheduler.overlap_score_credit == 1.0  # the reference default
+    assert cfg.scheduler.ttft_rate_scope == "worker"
     opts = replica_options(s)
     assert opts.snapshot_every_s == 5
     assert s.replica.port == 9000
@@ -54,6 +56,7 @@ def test_config_file_from_environment(tmp_path, monkeypatch: pytest.MonkeyPatch)
     "text, match",
     [
         ("[router]\nhost_cache_hit_weight = -1\n", "host_cache_hit_weight"),
+        ('[router]\nttft_rate_scope = "rack"\n', "ttft_rate_scope"),
         ("surprise = 1\n", "surprise"),
         ("[topics]\nevents_partitions = 0\n", "events_partitions"),
         ("bootstrap = \n", "not valid TOML"),

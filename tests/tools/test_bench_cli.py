@@ -28,7 +28,10 @@ def test_index_and_route_benches() -> None:
     r = run(["index", "--json", "--blocks", "20000", "--workers", "8", "--queries", "100", "--prompt-blocks", "160"])
     for key in ("apply_blocks_per_s", "match_p50_us", "match_p99_us"):
         assert r[key] > 0, key
-    assert r["bytes_per_block"] >= 0  # an RSS delta: at this tiny size it may round to 0
+    # The tables' own bytes are exact; the RSS delta at this tiny size is allocator noise
+    # (it came out negative once: the allocator handed memory back meanwhile).
+    assert r["table_bytes_per_block"] > 0
+    assert isinstance(r["bytes_per_block"], float)
     r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "50", "--prompt-blocks", "160"])
     for key in ("route_p50_us", "route_p99_us", "decisions_per_s"):
         assert r[key] > 0, key

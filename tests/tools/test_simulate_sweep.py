@@ -4,6 +4,8 @@ command-line flags of every weight and cost."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,10 +101,14 @@ def test_cli_sweep_windows_references_and_every_flag(tmp_path: Path) -> None:
     assert [(r["speed"], r["policy"]) for r in doc["sweep"]] == [(1, "kv"), (1, "ttft"), (4, "kv"), (4, "ttft")]
     assert set(doc["saturation"]["saturation_speed"]) == {"kv", "ttft"}
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The same runs in separate processes give the same figures.
-    res = runner.invoke(cli, args + ["--sweep", "speed=1,4", "--jobs", "2"])
-    assert res.exit_code == 0, res.output
-    again = json.loads(res.stdout.strip().splitlines()[-1])
+    # The same runs in separate processes give the same figures, and stdout is the JSON
+    # alone (the spawned runs log to stderr like the command does).
+    kvstream = Path(sys.executable).with_name("kvstream")
+    proc = subprocess.run([str(kvstream), *args, "--sweep", "speed=1,4", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads(proc.stdout)
+    assert "offload_closed" in proc.stderr
     volatile = {"wall_s", "events_per_s"}
     assert [{k: v for k, v in r.items() if k not in volatile} for r in again["sweep"]] == [
         {k: v for k, v in r.items() if k not in volatile} for r in doc["sweep"]
@@ -125,6 +131,8 @@ def test_cli_sweep_windows_references_and_every_flag(tmp_path: Path) -> None:
     assert res.exit_code != 0 and "max_batch_tokens" in res.output
     res = runner.invoke(cli, args + ["--router-temperature", "-1"])
     assert res.exit_code != 0 and "router_temperature" in res.output
+    res = runner.invoke(cli, args + ["--ttft-rate-scope", "rack"])
+    assert res.exit_code != 0 and "ttft-rate-scope" in res.output
     res = runner.invoke(cli, args + ["--sweep", "load=1"])
     assert res.exit_code != 0 and "--sweep" in res.output
     help_text = runner.invoke(cli, ["simulate", "--help"]).output

@@ -17,8 +17,10 @@ from typing import Any
 
 import click
 
+from kvstream.logs import configure_logging, current_logging
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.router.errors import SchedulerConfigError
+from kvstream.router.policy import RATE_SCOPES
 from kvstream.settings import SettingsError, load_settings
 from kvstream.tools.bench.common import emit
 from kvstream.tools.simulate.engine import CostModel, EngineConfig
@@ -86,7 +88,10 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
 @click.option("--disk-min-seen", type=click.IntRange(min=1), default=_ENGINE.disk_min_seen, show_default=True,
               help="Sightings of a block (G1 registrations, hits, onboards) before it goes on to G3.")
 @_dataclass_options(CostModel, "cost: ")
-@_dataclass_options(SchedulerConfig, "router: ", skip=("allowed_workers", "policy"))
+@_dataclass_options(SchedulerConfig, "router: ", skip=("allowed_workers", "policy", "ttft_rate_scope"))
+@click.option("--ttft-rate-scope", "ttft_rate_scope", type=click.Choice(RATE_SCOPES),
+              default=SchedulerConfig().ttft_rate_scope, show_default=True,
+              help="router: the ttft policy prices every worker at the fleet's learned throughput, or each at its own.")
 @click.option("--window", type=click.IntRange(min=1), default=3000, show_default=True,
               help="Requests per window of the per-window hit rates (`windows` in the JSON).")
 @click.option("--sweep", "sweep_spec", help="Load sweep, e.g. 'speed=1,2,4,8': every policy at every speed; "
@@ -144,7 +149,8 @@ def simulate(
             # Each run is independent and deterministic: separate processes give the same results.
             # Spawned, not forked: a fork copies the caller's threads' state (Kafka clients,
             # torch), and a forked run crashed in its garbage collector.
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"),
+                                     initializer=configure_logging, initargs=current_logging()) as pool:
                 futures = [pool.submit(run_simulation, reqs, opts, memory_log) for _, reqs, opts in runs]
                 results = [f.result() for f in futures]
         else:
