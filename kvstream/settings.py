@@ -40,6 +40,11 @@ class TopicSettings(BaseModel):
     control_retention_ms: int = Field(3600 * 1000, ge=60_000)
     dlq_partitions: int = Field(1, ge=1)
     dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    #: The compacted worker registry (kvstream.gateway.registry): a handful of records.
+    workers_partitions: int = Field(1, ge=1)
+    #: How long a worker's tombstone stays readable after compaction (delete.retention.ms):
+    #: a replica down for longer may keep a departed worker until it restarts from the start.
+    workers_tombstone_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
     #: The broker refuses events stamped further than this ahead of its clock (ms; 0: no
     #: bound): a record from the future would move its partition's log clock and expire
     #: every worker there. Keep it below the workers' lease minus their heartbeat.

@@ -75,6 +75,16 @@ class ReplicaMetrics:
             "kvstream_dlq_referenced", "Records over the DLQ size bound, referenced (offset, size, digest) instead of copied",
             registry=r,
         )
+        self.registry_records = Counter(
+            "kvstream_registry_records", "Worker registrations and tombstones applied from kvstream.workers", registry=r
+        )
+        self.registry_skipped = Counter(
+            "kvstream_registry_skipped",
+            "Records of kvstream.workers skipped, by reason (bad_key, undecodable, invalid, wrong_key, "
+            "unknown_tombstone)",
+            ["reason"], registry=r,
+        )
+        self.registered_workers = Gauge("kvstream_registered_workers", "Workers in the registry", registry=r)
         self.partitions = Gauge("kvstream_events_partitions", "Partitions of the events topic being read", registry=r)
         self._last_commit: float | None = None
         self.snapshot_age.set_function(

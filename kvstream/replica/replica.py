@@ -42,6 +42,7 @@ from confluent_kafka.admin import AdminClient
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import STATUS_HEADER
+from kvstream.gateway.registry import RegistrationCodec, WorkerRegistry
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
@@ -140,6 +141,10 @@ class Replica:
         self.codec = AvroCodec()
         self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
         self.active_codec = ActiveOpCodec(self.codec)
+        #: The workers' registrations (kvstream.workers), the gateway's WorkerDirectory.
+        self.registry = WorkerRegistry(RegistrationCodec(self.codec))
+        self._registry_next: dict[int, int] = {}
+        self._registry_loaded = threading.Event()
         self.metrics = ReplicaMetrics()
         self.lock = threading.RLock()
         self.events_topic = settings.topics.name("events")
@@ -195,6 +200,7 @@ class Replica:
         self.supervisor.spawn("ingest", self._ingest_loop, critical=True)
         self.supervisor.spawn("lag", self._lag_loop, critical=True)
         self.supervisor.spawn("active", self._active_loop, critical=False)
+        self.supervisor.spawn("workers", self._workers_loop, critical=False)
 
     def stop(self) -> None:
         """Stop the threads, finish the snapshot in progress, flush producers."""
@@ -213,7 +219,7 @@ class Replica:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self.supervisor.problems()
+        return self._ready.is_set() and self._registry_loaded.is_set() and not self.supervisor.problems()
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -238,6 +244,8 @@ class Replica:
             reasons.append(f"catching up: lag {lagging} > {self.options.ready_max_lag} records")
         if self._awaiting_resync:
             reasons.append(f"waiting for workers dropped at recovery to resync: {sorted(self._awaiting_resync)}")
+        if not self._registry_loaded.is_set():
+            reasons.append("reading the worker registry (kvstream.workers)")
         if not reasons and not self._ready.is_set():
             reasons.append("starting")
         return reasons
@@ -588,7 +596,60 @@ class Replica:
                     last_seen_ms=wlog.last_seen_ms,
                     engine_issues=self._worker_status.get(wid, {}),
                 )
+            for wid, reg in self.registry.registrations().items():
+                out.setdefault(str(wid), {"ranks": {}})["registration"] = reg.view()
         return {"replica_id": self.replica_id, "ready": self.ready, "workers": out}
+
+    # -- worker registry -------------------------------------------------------------
+
+    def _workers_loop(self) -> None:
+        """Fold ``kvstream.workers`` into :attr:`registry`: the whole compacted topic from
+        its start, then what follows. A restarted loop resumes where the last one left."""
+        topic = self.settings.topics.name("workers")
+        consumer = Consumer(consumer_config(self.settings))
+        try:
+            while not self._stop.is_set():
+                md = consumer.list_topics(topic, timeout=30).topics.get(topic)
+                if md is not None and md.error is None and md.partitions:
+                    break
+                # Not ready-blocking: /v1/route works without it; the gateway has no workers.
+                self._registry_loaded.set()
+                log.error("worker registry topic missing; create it with `kvstream topics create`", topic=topic)
+                self._stop.wait(10)
+            else:
+                return
+            parts = sorted(md.partitions)
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
+            consumer.assign([TopicPartition(topic, p, self._registry_next.get(p, OFFSET_BEGINNING)) for p in parts])
+            while not self._stop.is_set():
+                for m in consumer.consume(500, 0.1):
+                    if m.error() is not None:
+                        if m.error().code() != KafkaError._PARTITION_EOF:
+                            self.metrics.consume_errors.inc()
+                        continue
+                    self._apply_registration(m)
+                    self._registry_next[m.partition()] = m.offset() + 1
+                if not self._registry_loaded.is_set() and all(
+                    self._registry_next.get(p, 0) >= end or consumer.position([TopicPartition(topic, p)])[0].offset >= end
+                    for p, end in ends.items()
+                ):
+                    self._registry_loaded.set()
+                    log.info("worker registry loaded", replica=self.replica_id,
+                             workers=len(self.registry.registrations()))
+                self.supervisor.progress("workers")
+        finally:
+            consumer.close()
+
+    def _apply_registration(self, m) -> None:
+        """One record of the workers topic; a bad one is counted and skipped."""
+        reason = self.registry.apply(m.key(), m.value())
+        if reason is None:
+            self.metrics.registry_records.inc()
+            self.metrics.registered_workers.set(len(self.registry.registrations()))
+            return
+        self.metrics.registry_skipped.labels(reason=reason).inc()
+        if reason != "unknown_tombstone":
+            log.warning("worker registration skipped", reason=reason, partition=m.partition(), offset=m.offset())
 
     # -- load sharing ----------------------------------------------------------------
 
