@@ -21,6 +21,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvstream.gateway.tokenize import ModelTokenizerConfig
+
 _config_file: Path | None = None
 
 
@@ -174,6 +176,13 @@ class WorkerSettings(BaseModel):
     checkpoint_s: float = Field(10.0, gt=0)
 
 
+class GatewaySettings(BaseModel):
+    """The OpenAI-compatible gateway of a replica (kvstream.gateway; issue 22)."""
+
+    #: ``[[gateway.models]]``: each model's tokenizer (kvstream.gateway.tokenize).
+    models: list[ModelTokenizerConfig] = Field(default_factory=list)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVSTREAM_", env_nested_delimiter="__", extra="forbid"
@@ -188,6 +197,7 @@ class Settings(BaseSettings):
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     fold: FoldSettings = Field(default_factory=FoldSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"
