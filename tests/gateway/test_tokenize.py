@@ -375,3 +375,16 @@ def test_engine_tokenizer_failures_are_clear(servers) -> None:
                 eng.completion_ids("x")
         finally:
             eng.close()
+
+
+def test_tokenize_bench_reports_both_paths_of_one_run(deepseek_tokenizer_json) -> None:
+    from click.testing import CliRunner
+
+    from kvstream.tools.bench import bench
+
+    out = CliRunner().invoke(bench, ["tokenize", "--json", "--tokens", "3000", "--repeat", "3",
+                                     "--tokenizer", str(deepseek_tokenizer_json)])
+    assert out.exit_code == 0, out.output
+    r = json.loads(out.output.strip().splitlines()[-1])
+    assert r["tokens_3k"] >= 3000 and r["cache_fallbacks"] == 0
+    assert r["speedup_3k"] == pytest.approx(r["fresh_ms_3k"] / r["cached_ms_3k"], rel=0.02)
