@@ -357,20 +357,30 @@ class _Anchors:
         for t in raw:
             for k in range(1, len(t.content)):
                 self._prefixes.setdefault(k, set()).add(t.content[:k])
-        contents = sorted(self.ids, key=len, reverse=True)  # longest first, as the tokenizer matches
-        self._pattern = re.compile("|".join(map(re.escape, contents))) if contents else None
+        # Where an anchor may start (a scan for a few characters is far faster than one
+        # regex of every anchor), then the longest anchor there, as the tokenizer matches.
+        self._lengths = sorted({len(c) for c in self.ids}, reverse=True)
+        firsts = sorted({c[0] for c in self.ids})
+        self._starts = re.compile("[" + "".join(map(re.escape, firsts)) + "]") if firsts else None
 
     def boundaries(self, text: str) -> list[tuple[int, str]]:
-        """(end offset, token) of each anchor occurrence in ``text`` that no added token
-        could run across."""
-        if self._pattern is None:
+        """(end offset, token) of each anchor occurrence in ``text`` (leftmost, longest,
+        not overlapping) that no added token could run across."""
+        if self._starts is None:
             return []
         out = []
-        prefixes = self._prefixes
-        for m in self._pattern.finditer(text):
-            end = m.end()
-            if not any(text[end - k:end] in ps for k, ps in prefixes.items() if k <= end):
-                out.append((end, m.group()))
+        ids, lengths, prefixes = self.ids, self._lengths, self._prefixes
+        after = 0
+        for m in self._starts.finditer(text):
+            pos = m.start()
+            if pos < after:
+                continue
+            for n in lengths:
+                if text[pos:pos + n] in ids:
+                    end = after = pos + n
+                    if not any(text[end - k:end] in ps for k, ps in prefixes.items() if k <= end):
+                        out.append((end, text[pos:end]))
+                    break
         return out
 
 
