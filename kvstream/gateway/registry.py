@@ -182,10 +182,11 @@ class WorkerRegistry:
     def apply(self, key: bytes | None, value: bytes | None) -> str | None:
         """Fold one record; returns None when applied, else the reason it was skipped."""
         reason = self._apply(key, value)
-        if reason is None:
-            self.applied += 1
-        else:
-            self.skipped[reason] += 1
+        with self._lock:
+            if reason is None:
+                self.applied += 1
+            else:
+                self.skipped[reason] += 1
         return reason
 
     def _apply(self, key: bytes | None, value: bytes | None) -> str | None:
@@ -240,9 +241,10 @@ class WorkerRegistry:
             return dict(self._regs)
 
     def view(self) -> dict[str, Any]:
-        regs = self.registrations()
+        with self._lock:
+            regs, applied, skipped = dict(self._regs), self.applied, dict(self.skipped)
         return {
             "workers": {str(wid): regs[wid].view() for wid in sorted(regs)},
-            "applied": self.applied,
-            "skipped": dict(self.skipped),
+            "applied": applied,
+            "skipped": skipped,
         }

@@ -417,6 +417,10 @@ class PrefixCache:
             self.stats.hit_tokens += len(ids)
         return found, node, ids
 
+    def fallback(self) -> None:
+        with self._lock:
+            self.stats.fallbacks += 1
+
     def insert(self, parent: int, pieces: list[tuple[str, tuple[int, ...]]]) -> None:
         """Add a chain of (segment text, ids) under ``parent``."""
         with self._lock:
@@ -525,7 +529,7 @@ class LocalTokenizer(PromptTokenizer):
         skip = 0
         if sentinel:
             if not rest_ids or rest_ids[0] != self._anchors.ids[sentinel] or offsets[0] != (0, len(sentinel)):
-                cache.stats.fallbacks += 1
+                cache.fallback()
                 return self.fresh_ids(text)
             skip = 1
         # Cut the new part at its anchors (rule 3: the anchor's own id at its offsets).

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka import Producer
+from fastapi.testclient import TestClient
 
 from kvstream.events.codec import AvroCodec
 from kvstream.gateway.registry import Registration, RegistrationCodec, worker_key
 from kvstream.kafka.config import producer_config
 from kvstream.replica.replica import Replica, ReplicaOptions
+from kvstream.replica.service import create_app
 from kvstream.settings import Settings
 
 KVSTREAM = Path(sys.executable).parent / "kvstream"
@@ -81,6 +83,10 @@ def test_worker_registers_and_its_tombstone_removes_it_everywhere(kafka_topics: 
             assert reg["dp_ranks"] == [4, 5] and reg["routable"] and reg["epoch"] > 0
         assert registration(a, wid) == registration(b, wid)
         assert replay_workers(kafka_topics)["workers"][str(wid)] == registration(a, wid)
+        # What an operator sees on /v1/workers.
+        client = TestClient(create_app(b, token="t"), headers={"Authorization": "Bearer t"})
+        shown = client.get("/v1/workers").json()["workers"][str(wid)]["registration"]
+        assert (shown["url"], shown["models"], shown["loras"]) == ("http://127.0.0.1:8123", ["llama", "llama-alias"], ["sql"])
         # A replica that starts now reads the registry from the topic's start.
         c = start_replica(kafka_topics)
         try:
