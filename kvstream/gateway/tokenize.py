@@ -179,6 +179,10 @@ def _environment() -> jinja2.Environment:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
+        # Earlier versions have known sandbox escapes; chat templates are untrusted code.
+        raise TokenizerConfigError(f"chat templates need jinja2 >= 3.1.6 (installed: {jinja2.__version__})")
+
     class GenerationTag(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` marks assistant text for training
         masks; rendering only needs its body."""
@@ -210,9 +214,39 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _iterates_content(template: Any) -> bool:
+    """Whether a template loops over ``message.content`` / ``message['content']`` (then
+    it takes OpenAI content parts as given), as vLLM's content-format detection asks."""
+    import jinja2.nodes as n
+
+    for loop in template.find_all(n.For):
+        it = loop.iter
+        if isinstance(it, n.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, n.Getitem) and isinstance(it.arg, n.Const) and it.arg.value == "content":
+            return True
+    return False
+
+
+def _text_content(content: Any, i: int) -> Any:
+    """OpenAI content parts as a template that wants a string gets them from vLLM: the
+    text parts joined by newlines."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise TokenizeError(
+                f"messages[{i}]: only text content parts can be tokenized here (ask the engine for others)"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(body: Mapping[str, Any], parts: bool) -> list[dict[str, Any]]:
     """The body's messages as the template sees them: keys with a null value dropped (as
-    transformers does), tool call arguments given as a JSON string parsed (as vLLM does)."""
+    transformers does), tool call arguments given as a JSON string parsed and content
+    parts joined for a template that wants a string (as vLLM does)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise TokenizeError("messages must be a non-empty list")
@@ -221,6 +255,8 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise TokenizeError(f"messages[{i}] must be an object")
         m = {k: v for k, v in m.items() if v is not None}
+        if not parts and "content" in m:
+            m["content"] = _text_content(m["content"], i)
         calls = m.get("tool_calls")
         if isinstance(calls, list):
             m["tool_calls"] = [_parsed_call(c) for c in calls]
@@ -249,9 +285,13 @@ class ChatRenderer:
         self._special = dict(special_tokens)
         env = _environment()
         self._compiled: dict[str, jinja2.Template] = {}
+        #: Templates that take content parts as given (the others get joined text).
+        self._parts: set[str] = set()
         for name, text in templates.items():
             try:
                 self._compiled[name] = env.from_string(text)
+                if _iterates_content(env.parse(text)):
+                    self._parts.add(name)
             except jinja2.TemplateSyntaxError as exc:
                 raise TokenizerConfigError(f"chat template {name!r} does not compile: {exc}") from None
 
@@ -259,18 +299,19 @@ class ChatRenderer:
     def names(self) -> tuple[str, ...]:
         return tuple(self._compiled)
 
-    def _template(self, body: Mapping[str, Any]) -> Any:
+    def _template(self, body: Mapping[str, Any]) -> str:
+        """The name of the template for this body."""
         named = body.get("chat_template")
         if named is not None:
             # Only a named template of the model: a request's own template would be code
             # run on the gateway.
             if not isinstance(named, str) or named not in self._compiled:
                 raise TokenizeError(f"chat_template must name one of the model's templates: {sorted(self._compiled)}")
-            return self._compiled[named]
+            return named
         if body.get("tools") and "tool_use" in self._compiled:
-            return self._compiled["tool_use"]
+            return "tool_use"
         if "default" in self._compiled:
-            return self._compiled["default"]
+            return "default"
         if not self._compiled:
             raise TokenizeError("this model has no chat template: use /v1/completions")
         raise TokenizeError(f"this model has several chat templates and no default: {sorted(self._compiled)}")
@@ -278,8 +319,9 @@ class ChatRenderer:
     def render(self, body: Mapping[str, Any]) -> str:
         import jinja2
 
-        template = self._template(body)
-        messages = _messages(body)
+        name = self._template(body)
+        template = self._compiled[name]
+        messages = _messages(body, name in self._parts)
         kwargs = body.get("chat_template_kwargs")
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):

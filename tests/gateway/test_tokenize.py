@@ -103,6 +103,13 @@ def test_chat_defaults_and_options_as_vllm(local, reference) -> None:
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
         continue_final_message=True, tokenize=True, return_dict=False,
     )
+    # Content parts: this template wants a string, so text parts are joined (vLLM's way).
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b <think>"}]
+    assert local.chat_ids({"messages": [{"role": "user", "content": parts}]}) == reference.apply_chat_template(
+        [{"role": "user", "content": "a\nb <think>"}], add_generation_prompt=True, tokenize=True, return_dict=False,
+    )
+    with pytest.raises(TokenizeError, match="only text content parts"):
+        local.chat_ids({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     # Tool call arguments as the OpenAI API sends them (a JSON string) are parsed.
     call = {"type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
     parsed = {"type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}
@@ -176,6 +183,7 @@ def test_named_templates(tmp_path: Path, deepseek_tokenizer_json: Path) -> None:
         {"name": "default", "template": "D{% for m in messages %}{{ m.content }}{% endfor %}"},
         {"name": "tool_use", "template": "T{{ tools | length }}"},
         {"name": "rag", "template": "R{{ documents | tojson }}"},
+        {"name": "parts", "template": "{% for m in messages %}{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}"},
     ]}))
     tok = LocalTokenizer.from_config(ModelTokenizerConfig(name="m", tokenizer=d))
     msgs = [{"role": "user", "content": "x<y>"}]
@@ -184,6 +192,10 @@ def test_named_templates(tmp_path: Path, deepseek_tokenizer_json: Path) -> None:
     docs = [{"title": "<&>", "text": "é"}]
     assert tok.chat_ids({"messages": msgs, "chat_template": "rag", "documents": docs}) == tok.fresh_ids(
         "R" + json.dumps(docs, ensure_ascii=False))  # tojson: no HTML escaping, no ASCII escaping
+    # A template that loops over the content parts gets them as given.
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert tok.chat_ids({"messages": [{"role": "user", "content": parts}], "chat_template": "parts"}) == tok.fresh_ids("[a][b]")
+    assert tok.chat_ids({"messages": [{"role": "user", "content": parts}]}) == tok.fresh_ids("Da\nb")
 
 
 def test_models_are_configured_in_toml(tmp_path: Path, model_dir: Path) -> None:
