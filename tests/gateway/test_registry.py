@@ -151,3 +151,31 @@ def test_poison_records_are_counted_and_skipped() -> None:
     assert reg.skipped == {"bad_key": 2, "wrong_key": 1, "undecodable": 3, "unknown_tombstone": 1, "invalid": 1}
     assert reg.apply(worker_key(1), None) is None  # a tombstone of a known key removes it
     assert reg.endpoints() == () and reg.endpoint(1) is None
+
+
+@st.composite
+def hostile_records(draw) -> tuple[bytes | None, bytes | None]:
+    """Random keys and values: bytes, truncated or bit-flipped registrations, tombstones."""
+    key = draw(st.one_of(st.none(), st.binary(max_size=10), st.integers(0, 3).map(worker_key)))
+    valid = CODEC.encode(_reg(draw(st.integers(0, 3))))
+    kind = draw(st.sampled_from(["bytes", "flip", "cut", "none", "valid"]))
+    if kind == "bytes":
+        return key, draw(st.binary(max_size=80))
+    if kind == "flip":
+        i = draw(st.integers(0, len(valid) - 1))
+        return key, valid[:i] + bytes([valid[i] ^ draw(st.integers(1, 255))]) + valid[i + 1:]
+    if kind == "cut":
+        return key, valid[: draw(st.integers(0, len(valid) - 1))]
+    return key, None if kind == "none" else valid
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(hostile_records(), max_size=30))
+def test_any_record_is_applied_or_counted_never_raised(records: list) -> None:
+    reg = WorkerRegistry()
+    for key, value in records:
+        reason = reg.apply(key, value)
+        assert reason is None or reason in {"bad_key", "undecodable", "invalid", "wrong_key", "unknown_tombstone"}
+    assert reg.applied + sum(reg.skipped.values()) == len(records)
+    for wid, r in reg.registrations().items():  # whatever was kept is a valid registration of its key
+        assert r.worker_id == wid and CODEC.decode(CODEC.encode(r)) == r
