@@ -442,29 +442,42 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def longest(self, text: str, cuts: list[tuple[int, str]]) -> tuple[int, int, list[int]]:
-        """(cuts matched, node of the last, their ids) for the longest cached prefix."""
+    def longest(self, text: str, cuts: list[tuple[int, str]]) -> tuple[int, int, list[int], list[tuple[int, str]]]:
+        """(cuts matched, node of the last, their ids, their keys) for the longest cached
+        prefix."""
         ids: list[int] = []
-        node, start, found = 0, 0, 0
+        keys: list[tuple[int, str]] = []
+        node, start = 0, 0
         with self._lock:
             self.stats.lookups += 1
             for end, _ in cuts:
-                seg = self._entries.get((node, text[start:end]))
+                key = (node, text[start:end])
+                seg = self._entries.get(key)
                 if seg is None:
                     break
-                self._entries.move_to_end((node, text[start:end]))
+                keys.append(key)
                 ids.extend(seg.ids)
-                node, start, found = seg.node, end, found + 1
-            self.stats.hit_segments += found
+                node, start = seg.node, end
+            self._touch(keys)
+            self.stats.hit_segments += len(keys)
             self.stats.hit_tokens += len(ids)
-        return found, node, ids
+        return len(keys), node, ids, keys
+
+    def _touch(self, chain: list[tuple[int, str]]) -> None:
+        # A prefix's segments become the most recent, the first one last of all: the LRU
+        # then evicts the ends of chains before their beginnings, never orphaning the rest.
+        for key in reversed(chain):
+            if key in self._entries:
+                self._entries.move_to_end(key)
 
     def fallback(self) -> None:
         with self._lock:
             self.stats.fallbacks += 1
 
-    def insert(self, parent: int, pieces: list[tuple[str, tuple[int, ...]]]) -> None:
-        """Add a chain of (segment text, ids) under ``parent``."""
+    def insert(self, parent: int, pieces: list[tuple[str, tuple[int, ...]]], above: list[tuple[int, str]]) -> None:
+        """Add a chain of (segment text, ids) under ``parent``, the end of the chain
+        ``above`` (the keys of the segments before it)."""
+        chain: list[tuple[int, str]] = []
         with self._lock:
             for text, ids in pieces:
                 key = (parent, text)
@@ -472,16 +485,18 @@ class PrefixCache:
                 if seg is None:
                     nbytes = sys.getsizeof(text) + 8 * len(ids) + 200  # + the tuple, key and node
                     if nbytes > self.max_bytes:
-                        return
+                        break
                     seg = _Segment(next(self._next), ids, nbytes)
                     self._entries[key] = seg
                     self.bytes += nbytes
                     self.stats.inserted += 1
-                    while self.bytes > self.max_bytes:
-                        _, old = self._entries.popitem(last=False)
-                        self.bytes -= old.nbytes
-                        self.stats.evicted += 1
+                chain.append(key)
                 parent = seg.node
+            self._touch(above + chain)
+            while self.bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.stats.evicted += 1
 
 
 # -- the local tokenizer ---------------------------------------------------------------
@@ -561,7 +576,7 @@ class LocalTokenizer(PromptTokenizer):
         cuts = self._anchors.boundaries(text)
         if not cuts:
             return self.fresh_ids(text)
-        found, node, ids = cache.longest(text, cuts)
+        found, node, ids, above = cache.longest(text, cuts)
         if found:
             start, sentinel = cuts[found - 1]
         else:
@@ -588,7 +603,7 @@ class LocalTokenizer(PromptTokenizer):
             pieces.append((text[seg_start:end], tuple(rest_ids[piece_start:i])))
             seg_start, piece_start = end, i
         if pieces:
-            cache.insert(node, pieces)
+            cache.insert(node, pieces, above)
         ids.extend(rest_ids[skip:])
         return ids
 

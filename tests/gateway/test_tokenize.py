@@ -400,3 +400,12 @@ def test_tokenize_bench_reports_both_paths_of_one_run(deepseek_tokenizer_json) -
     r = json.loads(out.output.strip().splitlines()[-1])
     assert r["tokens_3k"] >= 3000 and r["cache_fallbacks"] == 0
     assert r["speedup_3k"] == pytest.approx(r["fresh_ms_3k"] / r["cached_ms_3k"], rel=0.02)
+
+
+def test_lru_evicts_the_ends_of_chains_first() -> None:
+    cache = PrefixCache(600)  # room for two one-character segments (258 bytes each)
+    cuts = [(1, "a"), (2, "b"), (3, "c")]
+    cache.insert(0, [("a", (1,)), ("b", (2,)), ("c", (3,))], [])
+    assert cache.stats.evicted == 1 and cache.bytes <= 600
+    found, _, ids, _ = cache.longest("abc", cuts)
+    assert (found, ids) == (2, [1, 2])  # the chain's end went, its start is still reachable
