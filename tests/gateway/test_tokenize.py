@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
 from kvstream.gateway.registry import Registration, RegistrationCodec, WorkerRegistry, worker_key
-from kvstream.gateway.tokenize import EngineTokenizer, LocalTokenizer, ModelTokenizerConfig, PrefixCache
+from kvstream.gateway.tokenize import (
+    EngineTokenizer,
+    LocalTokenizer,
+    ModelTokenizerConfig,
+    PrefixCache,
+    prompt_tokenizers,
+)
 from kvstream.settings import load_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers reads the local directory only
@@ -206,6 +212,15 @@ def test_models_are_configured_in_toml(tmp_path: Path, model_dir: Path) -> None:
     config.write_text('[[gateway.models]]\nname = "ds"\ntokenizer = "/x"\nunknown = 1\n')
     with pytest.raises(ValueError, match="unknown"):
         load_settings(config)
+    config.write_text('[[gateway.models]]\nname = "ds"\n')
+    with pytest.raises(ValueError, match="needs tokenizer"):
+        load_settings(config)
+    config.write_text(f'[[gateway.models]]\nname = "ds"\ntokenizer = "{model_dir}"\n'
+                      '[[gateway.models]]\nname = "big"\ntokenize = "engine"\n')
+    made = prompt_tokenizers(load_settings(config).gateway.models, WorkerRegistry())
+    assert isinstance(made["ds"], LocalTokenizer) and isinstance(made["big"], EngineTokenizer)
+    with pytest.raises(TokenizerConfigError, match="twice"):
+        prompt_tokenizers(load_settings(config).gateway.models * 2, WorkerRegistry())
 
 
 # -- the prefix cache -----------------------------------------------------------------
