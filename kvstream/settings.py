@@ -119,6 +119,9 @@ class ReplicaSettings(BaseModel):
     snapshot_every_records: int = Field(200_000, ge=0)
     snapshot_every_s: float = Field(60.0, ge=0)
     ready_max_lag: int = Field(1000, ge=0)
+    #: Once ready, refuse routing (503) while behind the log or cut off from the broker,
+    #: instead of routing with each decision marked stale.
+    refuse_when_stale: bool = False
     tick_interval_s: float = Field(5.0, gt=0)
     #: Names the replica in logs, ticks and its consumer group ``kvstream-<replica_id>``,
     #: where it commits its read positions (for kafka-consumer-groups); keep it stable

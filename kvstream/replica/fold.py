@@ -31,13 +31,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
 from kvstream.logs import get_logger
 from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
 from kvstream.router import Router
+
+if TYPE_CHECKING:
+    from kvstream.replica.record import Record
 
 _log = get_logger(__name__)
 
@@ -59,6 +62,9 @@ ID_CONFLICT = "event_id_conflict"
 #: The fold itself failed on a record (a bug). Deterministic like the rest, so every
 #: replica fails the same way on it: the record is dead-lettered, ingest goes on.
 FOLD_ERROR = "record_fold_error"
+#: A header kvstream reads (kvstream.replica.record) is malformed: counted and the record
+#: dead-lettered by reference; its events still apply (headers are advisory).
+BAD_HEADER = "record_bad_header"
 
 
 #: Records folded per hold of the router lock: a catch-up consume (2,000 records at
@@ -142,6 +148,13 @@ class LogFold:
 
     # -- records ---------------------------------------------------------------------
 
+    def apply(self, record: Record) -> Outcome:
+        """Apply a record read by kvstream.replica.record.read_record."""
+        return self.apply_record(
+            record.partition, record.offset, record.timestamp_ms, record.value, record.is_tick, record.key,
+            record.problem,
+        )
+
     def apply_record(
         self,
         partition: int,
@@ -150,9 +163,24 @@ class LogFold:
         value: bytes | None,
         is_tick: bool = False,
         key: bytes | None = None,
+        problem: str | None = None,
     ) -> Outcome:
         """Apply the record at ``offset`` of ``partition`` (records must come in offset
-        order per partition); ``key`` is the record's key."""
+        order per partition); ``key`` is the record's key, ``problem`` what was wrong
+        with its headers (kvstream.replica.record)."""
+        outcome = self._apply_record(partition, offset, timestamp_ms, value, is_tick, key)
+        if problem is None:
+            return outcome
+        self.counters[BAD_HEADER] += 1
+        note = f"{BAD_HEADER}: {problem}"
+        return Outcome(
+            note if outcome.dlq_reason is None else f"{note}; {outcome.dlq_reason}",
+            outcome.resync, outcome.applied_events,
+        )
+
+    def _apply_record(
+        self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool, key: bytes | None
+    ) -> Outcome:
         part = self.partitions.get(partition)
         if part is None:
             part = self.partitions[partition] = PartitionState()

@@ -75,6 +75,17 @@ class ReplicaMetrics:
             "kvstream_dlq_referenced", "Records over the DLQ size bound, referenced (offset, size, digest) instead of copied",
             registry=r,
         )
+        self.stale = Gauge(
+            "kvstream_index_stale",
+            "1 while a live replica routes on an index it knows is behind (lag past ready_max_lag, or the "
+            "broker unreachable)", registry=r,
+        )
+        self.broker_unreachable = Gauge(
+            "kvstream_broker_unreachable", "1 while the broker does not answer the replica's offset queries", registry=r
+        )
+        self.stale_decisions = Counter(
+            "kvstream_stale_decisions", "Routing decisions made on an index known to be behind (marked stale)", registry=r
+        )
         self.partitions = Gauge("kvstream_events_partitions", "Partitions of the events topic being read", registry=r)
         self._last_commit: float | None = None
         self.snapshot_age.set_function(

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from confluent_kafka import (
@@ -41,7 +42,6 @@ from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import STATUS_HEADER
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.logs import get_logger
@@ -55,7 +55,8 @@ from kvstream.replica.request_ids import scoped
 from kvstream.replica.snapshot import SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.supervisor import RestartPolicy, Supervisor
-from kvstream.replica.ticks import TickCodec, Ticker, is_tick
+from kvstream.replica.record import Record, read_record
+from kvstream.replica.ticks import TickCodec, Ticker
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
 from kvstream.router.core import PromptTokens
@@ -81,8 +82,12 @@ class ReplicaOptions:
     #: Take a snapshot after this many applied records, or this many seconds (0: never).
     snapshot_every_records: int = 200_000
     snapshot_every_s: float = 60.0
-    #: Ready when every partition's lag (records) is at most this.
+    #: Ready when every partition's lag (records) is at most this. Once ready, a replica
+    #: that falls further behind (a burst: every replica at once) keeps routing, each
+    #: decision marked stale, unless ``refuse_when_stale``: a slightly stale index routes
+    #: far better than none.
     ready_max_lag: int = 1000
+    refuse_when_stale: bool = False
     #: Records per consume() call.
     consume_batch: int = 2000
     #: Records folded per hold of the router lock (kvstream.replica.fold.FOLD_SLICE).
@@ -160,6 +165,10 @@ class Replica:
         # Load ops must reach the peers at once; a replica's few records need no batching.
         self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
         self._lag: dict[int, int] = {}
+        #: Wall-clock time since when the index has been known to be behind (lag past
+        #: ready_max_lag) and since when the broker has not answered, or None.
+        self._behind_since: float | None = None
+        self._broker_down_since: float | None = None
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
         self._worker_status: dict[int, dict] = {}
         self._start_offsets: dict[int, int] = {}
@@ -213,7 +222,24 @@ class Replica:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self.supervisor.problems()
+        """Caught up once since start (the start-up gate) and healthy; a live replica
+        behind the log stays ready unless ``refuse_when_stale``."""
+        if not self._ready.is_set() or self.supervisor.problems():
+            return False
+        return not (self.options.refuse_when_stale and self.staleness() is not None)
+
+    def staleness(self) -> dict[str, object] | None:
+        """Why a live replica's index is known to be behind, or None: lag past
+        ``ready_max_lag`` (records, and since when) and/or the broker unreachable (since
+        when). Each routing decision made meanwhile carries it."""
+        out: dict[str, object] = {}
+        if self._behind_since is not None:
+            lagging = {str(p): n for p, n in self._lag.items() if n > self.options.ready_max_lag}
+            out.update(lag_records=sum(lagging.values()), lagging_partitions=lagging,
+                       behind_since=_iso(self._behind_since))
+        if self._broker_down_since is not None:
+            out["broker_unreachable_since"] = _iso(self._broker_down_since)
+        return out or None
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -234,8 +260,10 @@ class Replica:
         """Why ``/readyz`` says 503 (empty when ready)."""
         reasons = self.supervisor.problems()
         lagging = {p: n for p, n in self._lag.items() if n > self.options.ready_max_lag}
-        if lagging:
+        if lagging and (not self._ready.is_set() or self.options.refuse_when_stale):
             reasons.append(f"catching up: lag {lagging} > {self.options.ready_max_lag} records")
+        if self._broker_down_since is not None and self.options.refuse_when_stale:
+            reasons.append(f"broker unreachable since {_iso(self._broker_down_since)}")
         if self._awaiting_resync:
             reasons.append(f"waiting for workers dropped at recovery to resync: {sorted(self._awaiting_resync)}")
         if not reasons and not self._ready.is_set():
@@ -428,15 +456,13 @@ class Replica:
                     log.warning("consume error", error=str(err))
                 continue
             records += 1
-            headers = m.headers()
-            if headers:
-                self._note_worker_status(m.key(), headers)
-            out = fold.apply_record(
-                m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(headers), m.key()
-            )
+            record = read_record(m)
+            if record.status is not None:
+                self._note_worker_status(record)
+            out = fold.apply(record)
             m_applied += out.applied_events
             if out.dlq_reason is not None:
-                self._to_dlq(m, out.dlq_reason)
+                self._to_dlq(m, out.dlq_reason, by_reference=record.problem is not None)
             for wid in out.resync:
                 self._request_resync(wid, "event id gap or epoch without cleared")
         self.metrics.events_applied.inc(m_applied)
@@ -444,16 +470,19 @@ class Replica:
         if self.snapshotter is not None and records:
             self.snapshotter.records_applied(records)
 
-    def _to_dlq(self, m, reason: str) -> None:
-        """Copy a record to the DLQ with the reason; one larger than ``dlq_max_bytes``
-        is referenced instead (where it is, its size and SHA-256), so that the copy can
-        never be refused for its size."""
+    def _to_dlq(self, m, reason: str, by_reference: bool = False) -> None:
+        """Copy a record to the DLQ with the reason; one larger than ``dlq_max_bytes``,
+        or whose headers could not be read (``by_reference``), is referenced instead
+        (where it is, its size and SHA-256), so that the copy can never be refused."""
         self.metrics.dlq.inc()
         value, key = m.value(), m.key()
         source = f"{m.topic()}/{m.partition()}/{m.offset()}"
-        headers = list(m.headers() or [])
+        try:
+            headers = list(m.headers() or [])
+        except Exception:  # noqa: BLE001 - unreadable headers: reference the record
+            headers, by_reference = [], True
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers)
-        if size > self.options.dlq_max_bytes:
+        if by_reference or size > self.options.dlq_max_bytes:
             digest = hashlib.sha256(value or b"").hexdigest()
             self.metrics.dlq_referenced.inc()
             value = json.dumps({
@@ -470,7 +499,7 @@ class Replica:
         large, queue full, ...) is counted and logged; the caller goes on."""
         try:
             self._producer.produce(topic, on_delivery=self._delivery, **kw)
-        except (KafkaException, BufferError) as exc:
+        except Exception as exc:  # noqa: BLE001 - never raise: e.g. a header the client refuses
             error = exc.args[0].name() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else type(exc).__name__
             self.metrics.produce_refused.labels(what=what, error=error).inc()
             log.error("produce refused", what=what, topic=topic, error=str(exc))
@@ -541,34 +570,55 @@ class Replica:
         offsets = self.positions()
         try:
             bounds = self._bounds(timeout=0)
-        except RecoveryError:
-            return  # broker unreachable: keep the last view; readiness unchanged
+        except RecoveryError as exc:
+            # Leases run in log time, so nothing expires while no record arrives: say
+            # that the index is frozen rather than report a lag of 0.
+            if self._broker_down_since is None:
+                self._broker_down_since = time.time()
+                self.metrics.broker_unreachable.set(1)
+                log.error("broker unreachable: routing goes on with the index as it stands, marked stale",
+                          replica=self.replica_id, error=str(exc))
+            self._mark_stale()
+            return
+        if self._broker_down_since is not None:
+            log.warning("broker reachable again", replica=self.replica_id,
+                        after_s=round(time.time() - self._broker_down_since, 1))
+            self._broker_down_since = None
+            self.metrics.broker_unreachable.set(0)
         lag = {}
         for p, (_, high) in bounds.items():
             lag[p] = max(0, high - offsets.get(p, 0))
             self.metrics.lag.labels(partition=str(p)).set(lag[p])
         self._lag = lag
-        if all(v <= self.options.ready_max_lag for v in lag.values()) and not self._resyncs_pending():
-            if not self._ready.is_set():
+        caught_up = all(v <= self.options.ready_max_lag for v in lag.values())
+        if not self._ready.is_set():
+            # The start-up gate: a replica's index is not the fleet's until it has caught up.
+            if caught_up and not self._resyncs_pending():
                 self.ready_after_s = time.monotonic() - self.started_at
                 log.info("ready", replica=self.replica_id, after_s=round(self.ready_after_s, 3))
-            self._ready.set()
-        else:
-            self._ready.clear()
+                self._ready.set()
+            return
+        if caught_up:
+            if self._behind_since is not None:
+                log.info("caught up again", replica=self.replica_id,
+                         after_s=round(time.time() - self._behind_since, 1))
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = time.time()
+            log.warning("behind the log: routing goes on, decisions marked stale", replica=self.replica_id,
+                        lag=sum(lag.values()), ready_max_lag=self.options.ready_max_lag)
+        self._mark_stale()
+
+    def _mark_stale(self) -> None:
+        self.metrics.stale.set(0 if self.staleness() is None else 1)
 
     def lag(self) -> dict[int, int]:
         return dict(self._lag)
 
-    def _note_worker_status(self, key: bytes | None, headers: list) -> None:
+    def _note_worker_status(self, record: Record) -> None:
         """A worker's engine issues (STATUS_HEADER), shown by /v1/workers."""
-        for k, v in headers:
-            if k == STATUS_HEADER and key is not None and len(key) == 8:
-                try:
-                    status = json.loads(v)
-                except ValueError:
-                    continue  # advisory only: a bad header changes nothing
-                if isinstance(status, dict):
-                    self._worker_status[int.from_bytes(key, "big")] = status
+        if record.key is not None and len(record.key) == 8:
+            self._worker_status[int.from_bytes(record.key, "big")] = dict(record.status or {})
 
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
@@ -588,7 +638,7 @@ class Replica:
                     last_seen_ms=wlog.last_seen_ms,
                     engine_issues=self._worker_status.get(wid, {}),
                 )
-        return {"replica_id": self.replica_id, "ready": self.ready, "workers": out}
+        return {"replica_id": self.replica_id, "ready": self.ready, "stale": self.staleness(), "workers": out}
 
     # -- load sharing ----------------------------------------------------------------
 
@@ -671,6 +721,10 @@ class Replica:
         with self.lock:
             op = self.router.free(scoped(self.replica_id, request_id))
         self._share(op)
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _topic_id(admin: AdminClient, topic: str) -> str | None:

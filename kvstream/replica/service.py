@@ -198,7 +198,11 @@ def create_app(
         except (SchedulerConfigError, ValueError) as exc:
             raise HTTPException(400, str(exc)) from None
         metrics.route_latency.observe(time.perf_counter() - t0)
-        return orjson.dumps(decision_dict(decision, fields.explain))
+        body = decision_dict(decision, fields.explain)
+        if (stale := replica.staleness()) is not None:
+            metrics.stale_decisions.inc()
+            body["stale"] = stale
+        return orjson.dumps(body)
 
     def route_threads() -> anyio.CapacityLimiter:
         if not routing:
@@ -315,8 +319,12 @@ def create_app(
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
+        stale = replica.staleness()
+        reasons = replica.not_ready_reasons()
+        if stale is not None and replica.ready:
+            reasons.append(f"serving from a stale index: {stale}")
         body = {"ready": replica.ready, "lag": replica.lag(), "replica_id": replica.replica_id,
-                "reasons": replica.not_ready_reasons()}
+                "reasons": reasons, "stale": stale}
         return JSONResponse(body, status_code=200 if replica.ready else 503)
 
     @app.get("/metrics")

@@ -25,7 +25,8 @@ from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router import Router
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import RetentionError, SourceError
-from kvstream.tools.replay.reader import LogReader, Record, format_time
+from kvstream.replica.record import Record
+from kvstream.tools.replay.reader import LogReader, format_time
 
 
 def new_fold(settings: Settings, at_s: float, decode: Callable[[bytes], EventBatch] | None = None) -> LogFold:
@@ -40,9 +41,9 @@ def new_fold(settings: Settings, at_s: float, decode: Callable[[bytes], EventBat
 def fold_records(fold: LogFold, records: Iterable[Record]) -> int:
     """Apply records in order; returns how many."""
     n = 0
-    apply = fold.apply_record
+    apply = fold.apply
     for r in records:
-        apply(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
+        apply(r)
         n += 1
     return n
 
