@@ -208,11 +208,18 @@ class Replica:
     def stop(self) -> None:
         """Stop the threads, finish the snapshot in progress, flush producers."""
         self._stop.set()
+        # With the broker gone, nothing waits on it: the threads' last commits and the
+        # producer's queue cannot land anyway (positions are only for Kafka's tooling;
+        # the snapshot, taken locally, is what a restart resumes from).
+        down = self._broker_down_since is not None
         for t in self.supervisor.threads:
-            t.join(timeout=30)
+            t.join(timeout=2 if down else 30)
         if self.snapshotter is not None and not self.snapshotter.close(final=True):
             log.error("stopped without a final snapshot: the next start replays more", replica=self.replica_id)
-        self._producer.flush(10)
+        unsent = self._producer.flush(0 if down else 10)
+        if unsent:
+            log.warning("stopped with records not delivered (DLQ, load, ticks)", replica=self.replica_id,
+                        records=unsent, broker_unreachable=down)
         # Release the clients now: a stopped replica must not keep dialling the broker.
         self._producer = None  # type: ignore[assignment]
         if self._watermarks is not None:
@@ -424,7 +431,8 @@ class Replica:
                 self._housekeeping()
                 self.supervisor.progress("ingest")
         finally:
-            self._positions.final(self.positions())
+            if self._broker_down_since is None:
+                self._positions.final(self.positions())
             consumer.close()
 
     def _assign_new(self, consumer: Consumer) -> None:
