@@ -14,6 +14,7 @@ from kvstream.logs import configure_logging
 COMMANDS: dict[str, str] = {
     "hash": "kvstream.tools.hash_cmd:hash_cmd",
     "bench": "kvstream.tools.bench:bench",
+    "config": "kvstream.tools.config_cmd:config",
     "broker": "kvstream.kafka.cli:broker",
     "topics": "kvstream.kafka.cli:topics",
     "demo": "kvstream.tools.demo:demo",
@@ -79,3 +80,17 @@ def main() -> None:
         cli(standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        kafka = sys.modules.get("confluent_kafka")
+        if kafka is None or not isinstance(exc, kafka.KafkaException):
+            raise
+        # A client refused its configuration (SASL without credentials, an unknown
+        # librdkafka key): one line, whichever command made the client.
+        err = exc.args[0] if exc.args else exc
+        text = err.str() if hasattr(err, "str") else str(err)
+        click.echo(f"Error: Kafka client: {text} (see bootstrap and kafka_options in the settings)", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

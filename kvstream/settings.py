@@ -1,34 +1,46 @@
 """One typed settings object for every command: flags > ``KVSTREAM_*`` env > TOML > defaults.
 
 Nested sections are set from the environment with a double underscore, e.g.
-``KVSTREAM_SCHEDULER__HOST_CACHE_HIT_WEIGHT=0.5``; the TOML file uses ``[scheduler]``.
-The file is named by ``--config`` or ``KVSTREAM_CONFIG``.
+``KVSTREAM_ROUTER__HOST_CACHE_HIT_WEIGHT=0.5``; the TOML file uses ``[router]``.
+The file is named by ``--config`` or ``KVSTREAM_CONFIG``. An unknown key at any level is
+an error that names the nearest valid one (a typo must never pass silently); an unknown
+``KVSTREAM_*`` variable is warned about. ``kvstream config show`` prints the effective
+settings and where each came from.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
 _config_file: Path | None = None
+_warned = False  # unknown KVSTREAM_* variables are reported once per process
 
 
 class SettingsError(ValueError):
     """Settings that cannot be loaded; the message says which and why."""
 
 
-class TopicSettings(BaseModel):
+class Section(BaseModel):
+    """A section of the settings: an unknown key in it is an error, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopicSettings(Section):
     """Names and settings of the topics of DESIGN.md §2."""
 
     prefix: str = "kvstream."
@@ -51,7 +63,7 @@ class TopicSettings(BaseModel):
         return f"{self.prefix}{topic}"
 
 
-class RouterSettings(BaseModel):
+class RouterSettings(Section):
     """Block size and the scheduler's global weights (DESIGN.md §5; ref defaults)."""
 
     block_size: int = Field(16, ge=1)
@@ -77,7 +89,7 @@ class RouterSettings(BaseModel):
     compiled: bool = True
 
 
-class ReplicaSettings(BaseModel):
+class ReplicaSettings(Section):
     """How ``kvstream router`` runs a replica (DESIGN.md §7, §9)."""
 
     host: str = "127.0.0.1"
@@ -134,7 +146,7 @@ class ReplicaSettings(BaseModel):
     peer_url: str | None = None
 
 
-class FoldSettings(BaseModel):
+class FoldSettings(Section):
     """What a replica (and ``kvstream replay``) accepts from the events topic; every
     replica of a deployment must use the same values, or they disagree
     (kvstream.replica.authority; docs/RELIABILITY.md, "Threat model"). 0: no limit."""
@@ -152,7 +164,7 @@ class FoldSettings(BaseModel):
     allowed_workers: list[int] | None = None
 
 
-class WorkerSettings(BaseModel):
+class WorkerSettings(Section):
     """How ``kvstream worker`` consolidates and publishes (DESIGN.md §2, §3)."""
 
     #: ``dedup`` (one merged device residency) or ``passthrough`` (every tier).
@@ -205,18 +217,121 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+#: ``KVSTREAM_*`` variables that are not settings: the scripts', the tests' and the
+#: images' own (a prefix ending in ``_`` covers a family).
+OTHER_VARIABLES = (
+    "KVSTREAM_CONFIG", "KVSTREAM_CACHE", "KVSTREAM_ROOT", "KVSTREAM_TOKEN", "KVSTREAM_TEST_", "KVSTREAM_KAFKA_",
+    "KVSTREAM_BROKER_", "KVSTREAM_ROUTER1_", "KVSTREAM_ROUTER2_", "KVSTREAM_GPU_", "KVSTREAM_ENGINE_",
+    "KVSTREAM_DOCKER_", "KVSTREAM_DEBIAN_",
+)
+#: Parts of a key whose value is never echoed in an error or by ``config show``.
+SECRET_WORDS = ("token", "password", "secret", "key")
+
+
+def _config_path(config: str | Path | None) -> Path | None:
+    path = config or os.environ.get("KVSTREAM_CONFIG")
+    return Path(path) if path else None
+
+
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
     """Settings from flags (``overrides``, None values ignored), env and the TOML file."""
-    global _config_file
-    path = config or os.environ.get("KVSTREAM_CONFIG")
-    _config_file = Path(path) if path else None
+    global _config_file, _warned
+    if not _warned:
+        _warned = True
+        from kvstream.logs import get_logger
+
+        for var in unknown_variables():
+            get_logger(__name__).warning("unknown variable: it sets nothing", variable=var)
+    _config_file = _config_path(config)
     if _config_file is not None and not _config_file.is_file():
         raise SettingsError(f"config file {_config_file} does not exist")
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        raise SettingsError(f"invalid settings: {exc}") from None
+        raise SettingsError(explain(exc)) from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {_config_file} is not valid TOML: {exc}") from None
     finally:
         _config_file = None
+
+
+def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
+    """One line per problem: which key, why, and for an unknown key the nearest valid one;
+    a secret's value is never shown. ``section``: where the validated model sits."""
+    lines = []
+    for e in exc.errors():
+        loc = [*section, *(str(p) for p in e["loc"])]
+        where = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            valid = _keys_at(loc[:-1])
+            close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
+            hint = f" (did you mean `{'.'.join([*loc[:-1], close[0]])}`?)" if close else ""
+            lines.append(f"unknown setting `{where}`{hint}")
+            continue
+        value = "" if is_secret(where) or isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
+        lines.append(f"`{where}`: {e['msg']}{value}")
+    return "invalid settings: " + "; ".join(lines)
+
+
+def is_secret(key: str) -> bool:
+    return any(word in key.lower() for word in SECRET_WORDS)
+
+
+def _keys_at(loc: list[str]) -> list[str]:
+    """The valid keys of the section at ``loc`` (a list of field names)."""
+    model: Any = Settings
+    for name in loc:
+        field = getattr(model, "model_fields", {}).get(name)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """``KVSTREAM_*`` variables that set nothing, each with the nearest setting when one
+    is close (pydantic-settings ignores an unknown top-level name silently)."""
+    env = os.environ if environ is None else environ
+    names = [f"KVSTREAM_{n.upper()}" for n in Settings.model_fields]
+    out = []
+    for var in sorted(env):
+        if not var.startswith("KVSTREAM_") or var.startswith(OTHER_VARIABLES):
+            continue
+        top = var.split("__")[0]
+        if top in names:
+            continue
+        close = difflib.get_close_matches(top, names, n=1, cutoff=0.6)
+        out.append(f"{var}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return out
+
+
+def origins(config: str | Path | None = None, **overrides: Any) -> dict[str, tuple[Any, str]]:
+    """Every effective setting (dotted key → (value, where it came from: ``flag``,
+    ``env``, ``toml``, ``default``)), secrets masked: what ``kvstream config show`` prints."""
+    settings = load_settings(config, **overrides)
+    path = _config_path(config)
+    toml = TomlConfigSettingsSource(Settings, toml_file=path)() if path is not None else {}
+    env = EnvSettingsSource(Settings, env_prefix="KVSTREAM_", env_nested_delimiter="__")()
+    flags = {k: v for k, v in overrides.items() if v is not None}
+
+    def has(doc: Any, keys: list[str]) -> bool:
+        for k in keys:
+            if not isinstance(doc, dict) or k not in doc:
+                return False
+            doc = doc[k]
+        return True
+
+    out: dict[str, tuple[Any, str]] = {}
+
+    def walk(doc: dict[str, Any], prefix: list[str]) -> None:
+        for k, v in doc.items():
+            keys = [*prefix, k]
+            if isinstance(v, dict) and keys[0] != "kafka_options" or (keys == ["kafka_options"] and v and isinstance(v, dict)):
+                walk(v, keys)
+                continue
+            source = next((name for name, doc_ in (("flag", flags), ("env", env), ("toml", toml)) if has(doc_, keys)), "default")
+            dotted = ".".join(keys)
+            out[dotted] = ("***" if is_secret(dotted) and v is not None else v, source)
+
+    walk(settings.model_dump(mode="json"), [])
+    return out

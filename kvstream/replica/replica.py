@@ -70,6 +70,8 @@ log = get_logger(__name__)
 RESYNC_REQUEST = "kvstream.control.ResyncRequest"
 _ERROR_HEADER = "kvstream-error"
 _SOURCE_HEADER = "kvstream-source"
+#: How long a starting replica waits for the broker's first answer (s).
+CONNECT_TIMEOUT_S = 10.0
 #: On a DLQ record that references a too-large original instead of copying it.
 _REF_HEADER = "kvstream-dlq-reference"
 
@@ -283,7 +285,14 @@ class Replica:
         """Restore the newest valid snapshot, check its offsets against the broker, and
         return the offset to start each partition at."""
         admin = AdminClient(admin_config(self.settings))
-        md = admin.list_topics(self.events_topic, timeout=30)
+        try:
+            md = admin.list_topics(self.events_topic, timeout=CONNECT_TIMEOUT_S)
+        except KafkaException as exc:
+            raise RecoveryError(
+                f"cannot reach Kafka at {admin_config(self.settings)['bootstrap.servers']} within "
+                f"{CONNECT_TIMEOUT_S:.0f} s ({exc.args[0].str() if exc.args else exc}): is the broker up "
+                "(`kvstream broker start`) and the bootstrap right (--bootstrap, KVSTREAM_BOOTSTRAP)?"
+            ) from None
         tmd = md.topics.get(self.events_topic)
         if tmd is None or tmd.error is not None:
             raise RecoveryError(
