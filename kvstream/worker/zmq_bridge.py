@@ -501,10 +501,16 @@ class _Stream:
     #: XXH3 of the last payload applied: a restarted engine's message of that number
     #: differs, which is how a reconnection tells a new engine from the same one.
     last_digest: int = 0
-    #: The last reconnection could not be checked (no replay answer): a number going
-    #: backwards then means a restart, as without a replay endpoint.
-    unverified: bool = False
+    #: XXH3 of the last messages applied, by number (oldest first, at most
+    #: ``_RECENT``): a number seen again is a duplicate only with the same bytes.
+    recent: dict[int, int] = field(default_factory=dict)
     ranks: set[int] = field(default_factory=set)
+
+
+#: Applied messages remembered per endpoint to tell a duplicate (live after a replay)
+#: from a restarted engine's message of the same number: more than a replay can
+#: overlap the live stream by (what arrives while the buffer is read).
+_RECENT = 4096
 
 
 class ZmqEngineBridge:
@@ -516,8 +522,11 @@ class ZmqEngineBridge:
     replay buffer for the last message it applied: the same bytes mean the same engine
     (and the rest of the reply is what it missed); anything else means a restarted
     engine (its caches are empty: every tier of its ranks is cleared, and its buffer is
-    replayed from 0). Without a replay endpoint, a number that goes backwards is the
-    only sign of a restart."""
+    replayed from 0). Knowing no position (a new worker, or one that lost its state),
+    it asks for the buffer from 0: an idle engine's blocks are known at once. Without a
+    reconnection (a forwarder between engine and bridge), a restart shows in the
+    numbers and bytes: a number seen again with other bytes, or a jump whose replay
+    starts with other bytes than the last message applied."""
 
     def __init__(
         self,
@@ -638,28 +647,30 @@ class ZmqEngineBridge:
             self._issue(Issue.MALFORMED_FRAME, f"frame sizes {shape}, expected [topic, 8-byte seq, payload]")
             return
         seq = int.from_bytes(frames[1], "big")
-        expected = s.expected
-        if expected is None:
-            if seq > 0:
-                # Joined an engine that was already running: its history so far comes
-                # from its replay buffer (engines number their messages from 0).
-                self._gap(s, 0, seq)
-        elif seq > expected:
-            self._gap(s, expected, seq)
-        elif seq < expected:
-            if s.ep.replay_endpoint and not s.unverified:
-                # Already applied (it came through a replay too); a restart would have
-                # been seen on the reconnection.
+        payload = frames[2]
+        digest = xxhash.xxh3_64_intdigest(payload)
+        if s.expected is not None and seq < s.expected:
+            if s.recent.get(seq) == digest:
+                # Already applied (it came through a replay too).
                 self._issue(Issue.DUPLICATE, f"message {seq} already applied")
                 return
+            # A number seen before with other bytes (or too old to be a duplicate): a
+            # new engine numbering from 0 again, seen without a reconnection (a ZMQ
+            # forwarder or proxy keeps ours up across the engine's restart).
             self._restart(s)
-            if seq > 0:
-                self._gap(s, 0, seq)
-        self._apply(s, seq, frames[2])
+        if seq > (s.expected or 0):
+            # Engines number their messages from 0: a worker joining a running engine
+            # (or one that missed messages) gets the rest from the replay buffer.
+            self._gap(s, seq)
+        self._apply(s, seq, payload, digest)
 
-    def _apply(self, s: _Stream, seq: int, payload: bytes) -> None:
+    def _apply(self, s: _Stream, seq: int, payload: bytes, digest: int | None = None) -> None:
         s.expected = seq + 1
-        s.last_digest = xxhash.xxh3_64_intdigest(payload)
+        s.last_digest = xxhash.xxh3_64_intdigest(payload) if digest is None else digest
+        recent = s.recent
+        recent[seq] = s.last_digest
+        if len(recent) > _RECENT:
+            del recent[next(iter(recent))]
         self.handle_payload(payload, s)
 
     def handle_payload(self, payload: bytes, stream: _Stream | None = None) -> None:
@@ -711,37 +722,54 @@ class ZmqEngineBridge:
 
     # ------------------------------------------------------------------ gaps
 
-    def _gap(self, s: _Stream, expected: int, seq: int) -> None:
-        missing = seq - expected
-        self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {expected}..{seq - 1} missed", missing)
+    def _gap(self, s: _Stream, seq: int) -> None:
+        """Live message ``seq`` came after a hole: from the next expected one (from 0
+        when nothing was seen). With a replay endpoint the buffer fills it, from the
+        last message applied, whose bytes tell the same engine from a restarted one
+        that published more than we had seen."""
+        start = s.expected or 0
         got = 0
         if s.ep.replay_endpoint:
-            for rseq, payload in self._fetch(s, expected) or ():
+            msgs = self._fetch(s, start - 1 if start else 0)
+            if msgs and start and msgs[0][0] == start - 1:
+                if xxhash.xxh3_64_intdigest(msgs[0][1]) != s.last_digest:
+                    self._restart(s)
+                    start = 0
+                    msgs = self._fetch(s, 0)
+                else:
+                    msgs = msgs[1:]
+            self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {start}..{seq - 1} missed", seq - start)
+            for rseq, payload in msgs or ():
                 if rseq >= seq:
                     break
                 # Only the missing range, in order: a hole in the buffer stays a hole.
-                if s.expected is None or rseq >= s.expected:
+                if rseq >= (s.expected or 0):
                     self._apply(s, rseq, payload)
                     got += 1
             self.stats.replayed += got
-        if got < missing:
-            self._lost(s, missing - got)
+        else:
+            self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {start}..{seq - 1} missed", seq - start)
+        if got < seq - start:
+            self._lost(s, seq - start - got)
 
     def _lost(self, s: _Stream, count: int) -> None:
         self._issue(Issue.UNRECOVERED, f"{s.ep.endpoint}: {count} engine messages lost (not in the replay buffer)", count)
         self.resync_reason = f"{count} engine messages of {s.ep.endpoint} lost"
 
     def _resume(self, s: _Stream) -> None:
-        """After a (re)connection to an engine we already heard from: the same engine
-        (its buffer holds our last message, byte for byte) gives what we missed; a new
-        one is a restart."""
-        if s.expected is None or not s.ep.replay_endpoint:
+        """On every (re)connection: an engine we never heard from gives its buffer from
+        the start (it may hold blocks and publish nothing for a long time); one we
+        heard from is the same engine if its buffer holds our last message byte for
+        byte (the rest is what we missed), else a new one (a restart)."""
+        if not s.ep.replay_endpoint:
+            return
+        if s.expected is None:
+            self._join(s)
             return
         last = s.expected - 1
         msgs = self._fetch(s, last)
-        s.unverified = msgs is None
         if msgs is None:
-            return  # no answer: the live numbers will tell
+            return  # no answer: the live numbers and bytes will tell
         if msgs and msgs[0][0] == last and xxhash.xxh3_64_intdigest(msgs[0][1]) == s.last_digest:
             got = 0
             for rseq, payload in msgs[1:]:
@@ -761,9 +789,19 @@ class ZmqEngineBridge:
             self.stats.replayed += len(msgs)
             return
         self._restart(s)
-        msgs = self._fetch(s, 0) or []
+        self._join(s)
+
+    def _join(self, s: _Stream) -> None:
+        """No position known (a new worker, or one that lost its state): the engine's
+        history is its buffer from message 0; what fell out of it is counted lost."""
+        msgs = self._fetch(s, 0)
+        if not msgs:
+            return  # nothing published yet, or no answer: the live numbers will tell
+        first = msgs[0][0]
+        if first > (s.expected or 0):
+            self._lost(s, first - (s.expected or 0))
         for rseq, payload in msgs:
-            if rseq == s.expected:
+            if rseq >= (s.expected or 0):
                 self._apply(s, rseq, payload)
         self.stats.replayed += len(msgs)
 
@@ -805,3 +843,4 @@ class ZmqEngineBridge:
             for ev in self.converter.cleared(rank, frozenset(Tier)):
                 self._sink.on_source_event(ev)
         s.expected = 0
+        s.recent.clear()
