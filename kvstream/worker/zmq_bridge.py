@@ -128,8 +128,13 @@ class BridgeOptions:
     replay_timeout_ms: int = 2000
     #: Receive high-water mark, in messages.
     rcvhwm: int = 1_000_000
+    #: vLLM's offloading connector ``blocks_per_chunk``: one offload placeholder event
+    #: (no tokens) names a chunk by its last block only. Not on the wire.
+    offload_blocks_per_chunk: int = 1
 
     def __post_init__(self) -> None:
+        if self.offload_blocks_per_chunk < 1:
+            raise ValueError(f"offload_blocks_per_chunk must be >= 1, got {self.offload_blocks_per_chunk}")
         if not self.endpoints:
             raise ValueError("a bridge needs at least one engine endpoint")
         names = [e.endpoint for e in self.endpoints]
@@ -254,10 +259,16 @@ class EventConverter:
     (what a clear clears), cache salts of vLLM chains (vLLM names the salt in the first
     block's extra keys only; its children inherit it), the detected flavour."""
 
-    def __init__(self, flavour: Flavour, block_size: int | None, resolver: BlockResolver | None) -> None:
+    def __init__(
+        self, flavour: Flavour, block_size: int | None, resolver: BlockResolver | None, blocks_per_chunk: int = 1
+    ) -> None:
         self.flavour = flavour
         self._block_size = block_size
         self._resolver = resolver
+        self._per_chunk = blocks_per_chunk
+        #: (rank, lower tier) → last block of an offloaded placeholder chunk → the
+        #: chunk's blocks: vLLM's placeholder removal names the last block only.
+        self.chunks: dict[tuple[int, Tier], dict[int, tuple[int, ...]]] = {}
         self.seen_tiers: dict[int, set[Tier]] = {}
         self.salts: dict[int, dict[int, str]] = {}
         #: Blocks of the last converted event that could not be resolved.
@@ -277,6 +288,7 @@ class EventConverter:
                 "tiers": {r: [t.value for t in ts] for r, ts in self.seen_tiers.items()},
                 "salts": self.salts,
                 "refs": [[r, t.value, dict(c)] for (r, t), c in self.extra_refs.items() if c],
+                "chunks": [[r, t.value, c] for (r, t), c in self.chunks.items() if c],
             }
         )
 
@@ -287,6 +299,7 @@ class EventConverter:
         self.seen_tiers = {r: {Tier(t) for t in ts} for r, ts in d["tiers"].items()}
         self.salts = {r: dict(m) for r, m in d["salts"].items()}
         self.extra_refs = {(r, Tier(t)): Counter(c) for r, t, c in d["refs"]}
+        self.chunks = {(r, Tier(t)): {k: tuple(v) for k, v in c.items()} for r, t, c in d.get("chunks", ())}
 
     # -- conversion -------------------------------------------------------------------
 
@@ -308,6 +321,9 @@ class EventConverter:
                 if salts:
                     for h in hashes:
                         salts.pop(h, None)
+                chunks = self.chunks.get((dp_rank, tier))
+                if chunks:
+                    hashes = tuple(b for h in hashes for b in chunks.pop(h, (h,)))
                 refs = self.extra_refs.get((dp_rank, tier))
                 if refs:
                     hashes = tuple(h for h in hashes if not _release(refs, h))
@@ -325,6 +341,7 @@ class EventConverter:
             self.salts.pop(dp_rank, None)
         for t in tiers:
             self.extra_refs.pop((dp_rank, t), None)
+            self.chunks.pop((dp_rank, t), None)
         return [SourceCleared(t, dp_rank) for t in sorted(seen & tiers, key=_TIER_ORDER.index)]
 
     def _detect(self, ev: Mapping[str, Any]) -> None:
@@ -450,25 +467,30 @@ class EventConverter:
     def _placeholder(self, tier: Tier, dp_rank: int, hashes: tuple[int, ...]) -> list[SourceEvent]:
         """vLLM's default offload events name blocks by hash only; it uses the same hash
         for a GPU block and its copies, so what the device source knows fills them in.
-        Consecutive blocks that chain on the device form one stored event each run."""
+        Each hash is a chunk's last block (``blocks_per_chunk`` of them: the chunk is
+        that block and its parents on the device). Consecutive blocks that chain on the
+        device form one stored event each run."""
         out: list[SourceEvent] = []
         run: list[int] = []
         run_tokens: list[int] = []
         run_parent: int | None = None
         missing = 0
         for h in hashes:
-            known = self._resolver.lookup(dp_rank, Tier.DEVICE, h) if self._resolver else None
-            if known is None:
-                missing += 1
+            chunk = self._chunk(dp_rank, h)
+            if chunk is None:
+                missing += self._per_chunk
                 continue
-            parent, tokens = known
+            parent, blocks = chunk
             if run and parent != run[-1]:
                 out.append(SourceStored(tier, dp_rank, run_parent, tuple(run), tuple(run_tokens)))
                 run, run_tokens = [], []
             if not run:
                 run_parent = parent
-            run.append(h)
-            run_tokens.append(tokens)
+            for b, tokens in blocks:
+                run.append(b)
+                run_tokens.append(tokens)
+            if len(blocks) > 1:
+                self.chunks.setdefault((dp_rank, tier), {})[h] = tuple(b for b, _ in blocks)
         if run:
             out.append(SourceStored(tier, dp_rank, run_parent, tuple(run), tuple(run_tokens)))
         if out:
@@ -479,6 +501,29 @@ class EventConverter:
             # Reported after the resolved part is applied; the caller counts it.
             self.unresolved = missing
         return out
+
+    def _chunk(self, dp_rank: int, last: int) -> tuple[int | None, list[tuple[int, int]]] | None:
+        """(the chunk's parent, its (block, tokens hash) pairs in order) of the chunk
+        ending at device block ``last``; None when the device source cannot name all of
+        it (a chunk starts at a multiple of its size: one that reaches a root early lost
+        its parent on the device, and its place is unknown)."""
+        if self._resolver is None:
+            return None
+        lookup = self._resolver.lookup
+        blocks: list[tuple[int, int]] = []
+        h: int | None = last
+        parent: int | None = None
+        while h is not None and len(blocks) < self._per_chunk:
+            known = lookup(dp_rank, Tier.DEVICE, h)
+            if known is None:
+                return None
+            parent, tokens = known
+            blocks.append((h, tokens))
+            h = parent
+        if len(blocks) < self._per_chunk:
+            return None
+        blocks.reverse()
+        return parent, blocks
 
 
 @dataclass(slots=True)
@@ -542,7 +587,9 @@ class ZmqEngineBridge:
         self._by_socket: dict[zmq.Socket, _Stream] = {}
         self._monitors: dict[zmq.Socket, _Stream] = {}
         self._poller = zmq.Poller()
-        self.converter = EventConverter(options.flavour, options.block_size, resolver)
+        self.converter = EventConverter(
+            options.flavour, options.block_size, resolver, options.offload_blocks_per_chunk
+        )
         self.stats = BridgeStats()
         #: Skipped / missing input by reason.
         self.issues: Counter[Issue] = Counter()

@@ -295,6 +295,30 @@ def test_offload_placeholders_resolved_vllm(env: Env, vllm: EngineKit) -> None:
         assert r.node.bridge.issues[Issue.UNRESOLVED_PLACEHOLDER] == 1
 
 
+def test_offload_placeholders_of_multi_block_chunks_vllm(env: Env, vllm: EngineKit) -> None:
+    """With the offloading connector's blocks_per_chunk 2, a placeholder names a chunk by
+    its last block (its eviction too): the chunk is that block and its parent on the
+    GPU; what the GPU can no longer name is counted."""
+    r = Rig(env, vllm)
+    r.options = replace(r.options, bridge=replace(r.options.bridge, offload_blocks_per_chunk=2))
+    with r:
+        r.publish(vllm.stored([1, 2, 3, 4, 5, 6], None, T[:96]))
+        r.publish(vllm.stored([2], None, [], 0, medium="CPU"))  # chunk 0: blocks 1, 2
+        r.publish(vllm.stored([4], None, [], 0, medium="CPU"))  # chunk 1: blocks 3, 4
+        r.publish(vllm.removed([5]))  # the GPU lost the start of chunk 2
+        r.publish(vllm.stored([6], None, [], 0, medium="CPU"))
+        r.publish(vllm.removed([1, 2, 3, 4, 6]))
+        r.sees(T, TierOverlap(host_pinned=4))
+        assert r.node.bridge.issues[Issue.UNRESOLVED_PLACEHOLDER] == 2
+        eventually(
+            lambda: env.replica.workers_view()["workers"][str(r.worker_id)].get("engine_issues"),
+            {"unresolved_placeholder": 2},
+        )
+        r.publish(vllm.removed([4], medium="CPU"))  # chunk 1 evicted, named by its last block
+        r.sees(T, TierOverlap(host_pinned=2))
+        assert not r.node.consolidator.anomalies
+
+
 def test_offload_chunks_sharing_a_block_vllm(env: Env, vllm: EngineKit) -> None:
     """Self-describing offload events announce a block shared by two chunks once per
     chunk, and its removal once per chunk evicted: it stays until the last."""
