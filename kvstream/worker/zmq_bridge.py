@@ -9,8 +9,10 @@ publishers at the pinned versions (vLLM 0.33.0, SGLang 0.5.23):
   counter per publisher (one publisher per DP rank, each on its own port), ``payload``
   msgpack of ``[ts, events, dp_rank]``;
 - events: msgspec tagged maps, ``{"type": "BlockStored", "block_hashes": ..., ...}``
-  (older vLLM releases encoded them as arrays, tag first, in vLLM's field order: both
-  are read); block hashes are ints (maybe negative i64) or bytes digests;
+  (older vLLM releases, and SGLang's positional form, encode them as arrays, tag first,
+  in the engine's own field order: both are read, SGLang's with ``Flavour.SGLANG``);
+  block hashes are ints, u64 or signed i64 (TensorRT-LLM's vLLM-format events: the
+  same u64 either way), or bytes digests;
 - replay: a ROUTER that takes ``[b"", start_seq]`` from a DEALER and answers
   ``[b"", topic, seq, payload]`` per buffered message from ``start_seq`` on, then
   ``[b"", b"", -1, b""]`` (releases before the topic frame: the same without it).
@@ -206,7 +208,7 @@ class _Skip(Exception):
 
 
 #: vLLM's field order, for the array form of older releases (after the tag).
-_ARRAY_FIELDS = {
+_VLLM_ARRAY_FIELDS = {
     "BlockStored": (
         "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
         "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
@@ -215,14 +217,28 @@ _ARRAY_FIELDS = {
     "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
     "AllBlocksCleared": (),
 }
+#: SGLang's field order, for its positional form (msgspec ``array_like`` events, which
+#: its PRs describe; 0.5.23 sends tagged maps): the salt comes before the LoRA name.
+_SGLANG_ARRAY_FIELDS = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "cache_salt",
+        "session_id", "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+#: Which order an engine's array events are read in (unknown: vLLM's, the older form).
+_ARRAY_FIELDS = {
+    Flavour.VLLM: _VLLM_ARRAY_FIELDS, Flavour.SGLANG: _SGLANG_ARRAY_FIELDS, Flavour.AUTO: _VLLM_ARRAY_FIELDS,
+}
 
 
-def _as_map(ev: Any) -> tuple[Any, Mapping[str, Any]]:
+def _as_map(ev: Any, flavour: Flavour) -> tuple[Any, Mapping[str, Any]]:
     """(tag, fields) of a map- or array-encoded event."""
     if isinstance(ev, dict):
         return ev.get("type"), ev
     if isinstance(ev, list | tuple) and ev:
-        names = _ARRAY_FIELDS.get(ev[0]) if isinstance(ev[0], str) else None
+        names = _ARRAY_FIELDS[flavour].get(ev[0]) if isinstance(ev[0], str) else None
         return ev[0], dict(zip(names or (), ev[1:]))
     raise _Skip(Issue.MALFORMED_EVENT, f"event is a {type(ev).__name__}, not a tagged map or array")
 
@@ -306,7 +322,7 @@ class EventConverter:
     def convert(self, ev: Any, dp_rank: int) -> list[SourceEvent]:
         """One decoded engine event → source events. Raises :class:`_Skip` for input
         that cannot be applied."""
-        tag, fields = _as_map(ev)
+        tag, fields = _as_map(ev, self.flavour)
         try:
             if self.flavour is Flavour.AUTO and isinstance(ev, dict):
                 self._detect(fields)  # the array form is older vLLM's; nothing to learn

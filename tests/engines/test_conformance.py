@@ -360,3 +360,48 @@ def test_other_kv_groups_counted_vllm(env: Env, vllm: EngineKit) -> None:
         )
         r.sees(T, TierOverlap(device=1))
         assert r.node.bridge.issues[Issue.OTHER_KV_GROUP] == 2
+
+
+def test_signed_and_unsigned_block_hashes_are_one_block_vllm(env: Env, vllm: EngineKit) -> None:
+    """TensorRT-LLM publishes the vLLM format with block hashes as signed int64; a hash
+    named in either signedness is the same u64 block."""
+    big = [(1 << 63) + 5, (1 << 64) - 7, (1 << 63) + 11]
+    signed = [h - (1 << 64) for h in big]
+    with Rig(env, vllm) as r:
+        r.publish(vllm.stored(signed[:2], None, T[:32]))
+        r.publish(vllm.stored([big[2]], signed[1] + (1 << 64), T[32:48]))  # its parent, unsigned
+        r.sees(T, TierOverlap(device=3))
+        r.publish(vllm.removed([signed[2]]), vllm.removed([big[1]]))
+        r.sees(T, TierOverlap(device=1))
+        assert not r.problems() and not r.node.consolidator.anomalies
+
+
+def test_positional_events_sglang(env: Env, sglang: EngineKit) -> None:
+    """SGLang's positional form (msgspec ``array_like``, as its PRs describe): its own
+    event classes, encoded as arrays in its field order, where the salt precedes the
+    LoRA name."""
+    import msgspec
+
+    mod = sglang.mod
+
+    class BlockStored(mod.BlockStored, array_like=True):  # type: ignore[call-arg]
+        pass
+
+    class BlockRemoved(mod.BlockRemoved, array_like=True):  # type: ignore[call-arg]
+        pass
+
+    salted = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=T[:32], block_size=16,
+                         lora_id=None, medium="GPU", cache_salt="tenant-a")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(salted))[:2] == ["BlockStored", [1, 2]]
+    with Rig(env, sglang) as r:
+        r.publish(salted)
+        r.publish(BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=T[32:48], block_size=16,
+                              lora_id=None, medium="GPU", cache_salt="tenant-a"))
+        r.publish(BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=T[:16], block_size=16,
+                              lora_id=4, medium=mod.StorageMedium.CPU.value, lora_name="ad"))
+        r.sees(T, TierOverlap(device=3), cache_salt="tenant-a")
+        r.sees(T, TierOverlap(host_pinned=1), lora_name="ad")
+        r.publish(BlockRemoved(block_hashes=[3], medium="GPU"))
+        r.sees(T, TierOverlap(device=2), cache_salt="tenant-a")
+        assert r.overlap(T) == NO_OVERLAP
+        assert not r.problems() and not r.node.consolidator.anomalies
