@@ -549,6 +549,12 @@ class BridgeStats:
     replayed: int = 0  # messages recovered through the replay endpoints
 
 
+#: Applied messages remembered per endpoint to tell a duplicate (live after a replay)
+#: from a restarted engine's message of the same number: more than a replay can
+#: overlap the live stream by (what arrives while the buffer is read).
+_RECENT = 4096
+
+
 @dataclass(slots=True)
 class _Stream:
     """One endpoint's sockets and sequence bookkeeping."""
@@ -562,16 +568,10 @@ class _Stream:
     #: XXH3 of the last payload applied: a restarted engine's message of that number
     #: differs, which is how a reconnection tells a new engine from the same one.
     last_digest: int = 0
-    #: XXH3 of the last messages applied, by number (oldest first, at most
-    #: ``_RECENT``): a number seen again is a duplicate only with the same bytes.
-    recent: dict[int, int] = field(default_factory=dict)
+    #: (number, XXH3) of the last ``_RECENT`` messages applied, at number % _RECENT: a
+    #: number seen again is a duplicate only with the same bytes.
+    recent: list[tuple[int, int] | None] = field(default_factory=lambda: [None] * _RECENT)
     ranks: set[int] = field(default_factory=set)
-
-
-#: Applied messages remembered per endpoint to tell a duplicate (live after a replay)
-#: from a restarted engine's message of the same number: more than a replay can
-#: overlap the live stream by (what arrives while the buffer is read).
-_RECENT = 4096
 
 
 class ZmqEngineBridge:
@@ -713,7 +713,7 @@ class ZmqEngineBridge:
         payload = frames[2]
         digest = xxhash.xxh3_64_intdigest(payload)
         if s.expected is not None and seq < s.expected:
-            if s.recent.get(seq) == digest:
+            if s.recent[seq % _RECENT] == (seq, digest):
                 # Already applied (it came through a replay too).
                 self._issue(Issue.DUPLICATE, f"message {seq} already applied")
                 return
@@ -730,10 +730,7 @@ class ZmqEngineBridge:
     def _apply(self, s: _Stream, seq: int, payload: bytes, digest: int | None = None) -> None:
         s.expected = seq + 1
         s.last_digest = xxhash.xxh3_64_intdigest(payload) if digest is None else digest
-        recent = s.recent
-        recent[seq] = s.last_digest
-        if len(recent) > _RECENT:
-            del recent[next(iter(recent))]
+        s.recent[seq % _RECENT] = (seq, s.last_digest)
         self.handle_payload(payload, s)
 
     def handle_payload(self, payload: bytes, stream: _Stream | None = None) -> None:
@@ -906,4 +903,4 @@ class ZmqEngineBridge:
             for ev in self.converter.cleared(rank, frozenset(Tier)):
                 self._sink.on_source_event(ev)
         s.expected = 0
-        s.recent.clear()
+        s.recent = [None] * _RECENT
