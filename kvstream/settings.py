@@ -182,6 +182,9 @@ class WorkerSettings(Section):
     state_dir: str | None = None
     #: Engine bridge: checkpoint period (s), when the state changed.
     checkpoint_s: float = Field(10.0, gt=0)
+    #: Engine bridge: vLLM's offloading ``blocks_per_chunk`` (its placeholder events
+    #: name a chunk by its last block; docs/ENGINES.md).
+    offload_blocks_per_chunk: int = Field(1, ge=1)
 
 
 class Settings(BaseSettings):

@@ -59,6 +59,8 @@ PY
     echo "==> installing kvstream from $KVSTREAM_ROOT into its own .venv (builds the compiled core)" >&2
     CARGO_TARGET_DIR="$KVSTREAM_CACHE/cargo-target" \
         "$layer/bin/pip" install --quiet --no-deps -e "$KVSTREAM_ROOT"
-    echo "==> fetching the Apache Kafka jars (once)" >&2
-    bash "$KVSTREAM_ROOT/ops/kafka/broker.sh" fetch >&2
+    # The broker's jars and Kafka's tools' (kafka-acls, consumer groups): tests run them,
+    # and a test must not skip on a machine where nothing fetched them before.
+    echo "==> fetching the Apache Kafka jars and Kafka's tools (once)" >&2
+    bash "$KVSTREAM_ROOT/ops/kafka/broker.sh" fetch-tools >&2
 }

@@ -131,9 +131,16 @@ class LogFold:
     """Folds records of the events topic into ``router``. Single writer."""
 
     def __init__(
-        self, router: Router, decode: Callable[[bytes], EventBatch], authority: LogAuthority = TRUSTING
+        self,
+        router: Router,
+        decode: Callable[[bytes], EventBatch],
+        authority: LogAuthority = TRUSTING,
+        on_expired: Callable[[int, int], None] | None = None,
     ) -> None:
         self.router = router
+        #: Told (worker id, log time ms) of each expiry: replay re-applies the removal
+        #: of the worker's requests at that time among the active ops.
+        self._on_expired = on_expired
         self._decode = decode
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
@@ -324,6 +331,8 @@ class LogFold:
             self.dirty.add(wid)
             if self.router.index.knows(wid):
                 self.router.remove_worker(wid)
+            if self._on_expired is not None:
+                self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1
 
     # -- restore from a snapshot -------------------------------------------------------

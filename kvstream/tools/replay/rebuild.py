@@ -29,12 +29,18 @@ from kvstream.replica.record import Record
 from kvstream.tools.replay.reader import LogReader, format_time
 
 
-def new_fold(settings: Settings, at_s: float, decode: Callable[[bytes], EventBatch] | None = None) -> LogFold:
+def new_fold(
+    settings: Settings,
+    at_s: float,
+    decode: Callable[[bytes], EventBatch] | None = None,
+    removals: list[tuple[int, int]] | None = None,
+) -> LogFold:
     """An empty fold with the settings' router, whose clock stands still at ``at_s`` (so
-    that request expiry is evaluated as of the replayed time)."""
+    that request expiry is evaluated as of the replayed time); each worker expiry is
+    appended to ``removals`` as (worker id, log time ms)."""
     return LogFold(
         Router(router_config(settings), clock=lambda: at_s), decode or EventCodec().decode,
-        authority_from_settings(settings.fold),
+        authority_from_settings(settings.fold), None if removals is None else lambda w, ms: removals.append((w, ms)),
     )
 
 
@@ -62,6 +68,8 @@ class Rebuilt:
     partition_count: int
     topic: str
     notes: list[str] = field(default_factory=list)
+    #: (worker id, log time ms) of the workers that expired in the folded records.
+    removals: list[tuple[int, int]] = field(default_factory=list)
 
 
 def open_store(path: Path) -> SnapshotStore:
@@ -121,7 +129,8 @@ def rebuild_at(
     with LogReader(settings, "events") as reader:
         end = reader.offsets_after(at_ms)
         notes: list[str] = []
-        fold = new_fold(settings, at_ms / 1000, decode)
+        removals: list[tuple[int, int]] = []
+        fold = new_fold(settings, at_ms / 1000, decode, removals)
         start = {p: 0 for p in reader.partitions}
         source = "start of the log"
         if snapshot_dir is not None:
@@ -154,7 +163,9 @@ def rebuild_at(
             part = fold.partitions.get(p)
             if (part.next_offset if part else 0) < e:
                 fold.restore_partition(p, e, part.log_time_ms if part else 0)
-        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, notes)
+        if source != "start of the log":
+            notes.append("worker expiries before the snapshot are not replayed among the active ops")
+        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, notes, removals)
 
 
 def summary(fold: LogFold) -> list[dict[str, Any]]:
