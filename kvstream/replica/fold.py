@@ -191,8 +191,7 @@ class LogFold:
         resync: list[int] = []
         if log is not None and log.outranks(batch.epoch, partition):
             if batch.epoch < log.epoch:
-                self.counters[STALE_EPOCH] += 1
-                return Outcome(dlq_reason=f"{STALE_EPOCH}: epoch {batch.epoch} < {log.epoch}")
+                return self._stale(wid, batch.epoch, log.epoch)
             self.counters[WRONG_PARTITION] += 1
             return Outcome(
                 dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {batch.epoch} is bound to partition "
@@ -276,6 +275,18 @@ class LogFold:
             dlq_reason="; ".join(rejected) if rejected else None,
             resync=tuple(resync),
             applied_events=applied,
+        )
+
+    def _stale(self, wid: int, epoch: int, held: int) -> Outcome:
+        """A batch under an older epoch than the one the log accepted for its worker: a
+        zombie of an old incarnation, or the live worker behind an epoch that someone
+        forged ahead of it (a plausible one passes the authority). Either way the live
+        worker must start an epoch above the held one: it is asked to resync (the
+        request says which epoch to outrank; the replica rate-limits requests)."""
+        self.counters[STALE_EPOCH] += 1
+        return Outcome(
+            dlq_reason=f"{STALE_EPOCH}: epoch {epoch} < {held} (the worker is asked to resync above it)",
+            resync=(wid,),
         )
 
     # -- leases ----------------------------------------------------------------------

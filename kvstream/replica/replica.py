@@ -166,6 +166,11 @@ class Replica:
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
+        #: Each partition's end offset when the replica started: resyncs the fold asks
+        #: for below it are history, requested after catch-up only if still unhealed.
+        self._history_end: dict[int, int] = {}
+        #: worker id → (epoch the fold held when history asked for its resync, why).
+        self._deferred_resync: dict[int, tuple[int, str]] = {}
         self._ticker = Ticker(self.replica_id, self.options.tick_interval_s, self._produce_tick, TickCodec(self.codec))
         self.topic_id: str | None = None
         self.partition_count = 0
@@ -275,6 +280,7 @@ class Replica:
         self._watermarks = Consumer(consumer_config(self.settings))
         bounds = self._bounds(timeout=30)
         offsets = {p: low for p, (low, _) in bounds.items()}
+        self._history_end = {p: high for p, (_, high) in bounds.items()}
         if loaded is None:
             if any(low > 0 for low, _ in bounds.values()):
                 # Retention already dropped the start of the log: only resync can tell
@@ -438,7 +444,7 @@ class Replica:
             if out.dlq_reason is not None:
                 self._to_dlq(m, out.dlq_reason)
             for wid in out.resync:
-                self._request_resync(wid, "event id gap or epoch without cleared")
+                self._fold_resync(m.partition(), m.offset(), wid, out.dlq_reason)
         self.metrics.events_applied.inc(m_applied)
         self.metrics.records.inc(records)
         if self.snapshotter is not None and records:
@@ -481,7 +487,38 @@ class Replica:
             self.metrics.produce_failures.inc()
             log.error("produce failed", error=str(err))
 
-    def _request_resync(self, worker_id: int | None, reason: str) -> None:
+    def _fold_resync(self, partition: int, offset: int, wid: int, why: str | None) -> None:
+        """The fold asks ``wid`` to resync (a gap, an id conflict, a stale or moved
+        epoch). Read from the log's history (before the end the replica started at), it
+        may have healed long ago: deferred until the replica has caught up, and sent
+        only if the worker has started no newer epoch since (:meth:`_flush_deferred`)."""
+        held = self.fold.workers.get(wid)
+        reason = (why or "event id gap or epoch without cleared").split(";")[0]
+        if offset + 1 < self._history_end.get(partition, 0):
+            if held is not None:
+                self._deferred_resync[wid] = (held.epoch, reason)
+            return
+        self._request_resync(wid, reason, None if held is None else held.epoch)
+
+    def _flush_deferred(self) -> None:
+        """Once caught up with the end the replica started at: request the resyncs that
+        history asked for and the log has not healed (the worker is still at the epoch
+        it had then); drop the rest."""
+        if not self._deferred_resync:
+            return
+        at = self.positions()
+        if any(at.get(p, 0) < end for p, end in self._history_end.items()):
+            return
+        with self.lock:
+            deferred, self._deferred_resync = self._deferred_resync, {}
+            for wid, (epoch, reason) in deferred.items():
+                held = self.fold.workers.get(wid)
+                if held is not None and held.epoch <= epoch:
+                    self._request_resync(wid, f"{reason} (still unhealed on the log)", held.epoch)
+                else:
+                    self.metrics.resyncs_healed.inc()
+
+    def _request_resync(self, worker_id: int | None, reason: str, above_epoch: int | None = None) -> None:
         now = time.monotonic()
         last = self._last_resync.get(worker_id)
         if last is not None and now - last < self.options.resync_min_interval_s:
@@ -491,12 +528,14 @@ class Replica:
         wid = None if worker_id is None else (worker_id - (1 << 64) if worker_id >= 1 << 63 else worker_id)
         value = self.codec.encode(
             RESYNC_REQUEST,
-            {"worker_id": wid, "requester": self.replica_id, "reason": reason,
-             "requested_at_ms": int(time.time() * 1000)},
+            {"worker_id": wid, "requester": self.replica_id, "reason": reason[:500],
+             "requested_at_ms": int(time.time() * 1000),
+             "above_epoch": None if above_epoch is None else (above_epoch - (1 << 64) if above_epoch >= 1 << 63 else above_epoch)},
         )
         self._produce("resync", self.settings.topics.name("control"), value=value)
 
     def _housekeeping(self) -> None:
+        self._flush_deferred()
         with self.lock:
             self._ticker.step(self.fold)
         self._positions.step(self.positions)
