@@ -112,6 +112,10 @@ class ReplicaSettings(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=2)
+    #: Connections kept beyond max_connections for /healthz and /readyz alone.
+    probe_connections: int = Field(16, ge=0)
+    #: Body bytes all requests in progress may hold together (429 past it).
+    max_buffered_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     route_threads: int = Field(4, ge=1)
     inline_route_bytes: int = Field(256 * 1024, ge=0)
     snapshot_streams: int = Field(2, ge=1)

@@ -5,13 +5,25 @@ of the issue for the finding's reason (docs/RELIABILITY.md, "Issue 28")."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
 import pytest
 
 from kvstream.events.model import Cleared, EventBatch, Tier
 from kvstream.replica.fold import STALE_EPOCH
 from kvstream.settings import Settings
 
-from tests.faults.helpers import agrees_with_log
+from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http
+from tests.faults.test_http_limits import (
+    CLIENT, NOFILE, OPERATOR, TOKENS, Router, auth, drop_topics, hwm_mib, new_settings, produce as produce_big,
+    raw_request, read_status, spawn, wait_worker,
+)
+from tests.replica.helpers import FakeWorkerLog
 from tests.faults.test_log_authority import _produce_raw, chain
 from tests.faults.test_worker_faults import blocks, epoch_truth, publisher, store, until
 from tests.replica.test_replica_kafka import start, wait_caught_up
@@ -54,3 +66,181 @@ def test_a_forged_plausible_epoch_is_outranked_by_the_workers_resync(kafka_topic
         pub.close()
     agrees_with_log(r, kafka_topics)
     print(f"FAULTS forged_epoch ahead_s=60 stale_batches={stale} resyncs={pub.stats.resyncs} blocks_after={len(healed)}")
+
+
+# -- 3, 4: slow and large bodies against a `kvstream router` process, default limits --------
+
+
+@pytest.fixture(scope="module")
+def defaults_router(kafka_bootstrap: str, tmp_path_factory) -> Iterator[Router]:
+    """``kvstream router`` with the default HTTP limits (body deadline 30 s, 16 MiB
+    bodies, 64 MiB buffered at once, 16 connections kept for probes) under 1,024 fds."""
+    tmp = tmp_path_factory.mktemp("defaults")
+    settings = new_settings(kafka_bootstrap)
+    w = FakeWorkerLog(1, lease_ms=10**9)
+    produce_big(settings, [(1, w.batch(w.cleared(), w.stored(TOKENS)))])
+    port = free_port()
+    proc = spawn(settings, port, tmp / "router.log", client_token=CLIENT, operator_token=OPERATOR, http_docs=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", 60, proc)
+        r = Router(proc, port, settings, tmp / "router.log")
+        wait_worker(r.url, OPERATOR)
+        yield r
+    finally:
+        stop_process(proc)
+        drop_topics(settings)
+
+
+def _route_head(length: int) -> bytes:
+    return (f"POST /v1/route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CLIENT}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def _closed(s: socket.socket, timeout: float) -> bool:
+    s.settimeout(timeout)
+    try:
+        while data := s.recv(65536):
+            if data.startswith(b"HTTP/1.1 "):
+                return True  # answered (and closed after)
+        return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(240)
+def test_trickled_bodies_do_not_take_every_connection(defaults_router: Router) -> None:
+    """1,100 connections that send their headers and then trickle their bodies, against a
+    1,024-fd process: /healthz, /readyz and a real route still answer."""
+    r = defaults_router
+    conns: list[socket.socket] = []
+    evicted_before = r.metric(r'kvstream_http_rejected_total\{limit="connections"\}')
+    try:
+        for _ in range(1100):
+            s = socket.create_connection(("127.0.0.1", r.port), timeout=5)
+            s.sendall(_route_head(1000) + b'{"token_ids": [')
+            conns.append(s)
+        probes = {"/healthz": 0, "/readyz": 0}
+        for i in range(40):
+            for s in conns[i * 20 : i * 20 + 20]:  # the trickle goes on
+                try:
+                    s.send(b"1,")
+                except OSError:
+                    pass
+            for path in probes:
+                try:
+                    probes[path] += httpx.get(r.url + path, timeout=5).status_code == 200
+                except httpx.TransportError:
+                    pass
+        routed = httpx.post(r.url + "/v1/route", json={"token_ids": TOKENS, "query_only": True},
+                            headers=auth(CLIENT), timeout=10)
+        evicted = r.metric(r'kvstream_http_rejected_total\{limit="connections"\}') - evicted_before
+        # The oldest trickles went first, and have been closed.
+        closed = sum(_closed(s, 2) for s in conns[:50])
+    finally:
+        for s in conns:
+            s.close()
+    print(f"FAULTS http_trickle connections=1100 nofile={NOFILE} healthz_ok={probes['/healthz']}/40 "
+          f"readyz_ok={probes['/readyz']}/40 route={routed.status_code} evicted={evicted:.0f} oldest_closed={closed}/50")
+    assert probes == {"/healthz": 40, "/readyz": 40}
+    assert routed.status_code == 200 and routed.json()["worker_id"] == 1
+    assert evicted >= 1100 - 1024 and closed == 50
+
+
+@pytest.mark.timeout(240)
+def test_buffered_bodies_have_a_total_budget(defaults_router: Router) -> None:
+    """24 overlapping 15 MiB bodies: the budget (64 MiB) takes 4, the rest are 429 before
+    any byte of theirs is read; what a request held is given back when it ends."""
+    r = defaults_router
+    mib = 1024 * 1024
+    before = hwm_mib(r.proc.pid)
+    held: list[socket.socket] = []
+    refused = 0
+    try:
+        for _ in range(24):
+            s = raw_request(r.port, _route_head(15 * mib))
+            try:
+                s.sendall(b'{"token_ids": [' + b"1," * (7 * mib))  # 14 MiB of 15, the rest later
+            except OSError:
+                pass  # answered and closed while sending
+            s.settimeout(0.5)
+            try:
+                status = read_status(s)
+            except TimeoutError:
+                held.append(s)  # reading: the request holds its 15 MiB
+                continue
+            assert status == 429, status
+            refused += 1
+            s.close()
+        grew = hwm_mib(r.proc.pid) - before
+        taken = len(held)
+    finally:
+        for s in held:
+            s.close()
+    # Given back: a large body is read and routed (a real prompt of 2^20 tokens, 11 MB;
+    # with the 4 held bodies it would not fit the budget).
+    time.sleep(0.5)
+    body = b'{"token_ids": [' + b"4000000000," * ((1 << 20) - 1) + b'4000000000], "query_only": true}'
+    with raw_request(r.port, _route_head(len(body)) + body, timeout=60) as s:
+        after = read_status(s)
+    budget = r.metric(r'kvstream_http_rejected_total\{limit="body_budget"\}')
+    print(f"FAULTS http_body_budget bodies=24 size_mib=15 taken={taken} refused_429={refused} "
+          f"peak_rss_growth_mib={grew:.0f} after_release={after}")
+    assert taken == 4 and refused == 20 and budget >= 20
+    assert after == 200
+    assert grew < 4 * 15 + 48, grew  # the 4 bodies taken, not 24
+
+
+@pytest.mark.timeout(60)
+def test_probes_answer_when_every_connection_is_busy_with_a_whole_request() -> None:
+    """Connections busy with whole requests cannot be evicted; the ones kept for probes
+    still serve /healthz and /readyz, and refuse anything else with 503."""
+    import asyncio
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from kvstream.replica.http_limits import HttpLimits, guarded_protocol
+
+    release = threading.Event()
+
+    async def slow(_request) -> JSONResponse:
+        while not release.is_set():
+            await asyncio.sleep(0.02)
+        return JSONResponse({"slow": True})
+
+    async def ok(_request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    app = Starlette(routes=[Route("/slow", slow), Route("/healthz", ok), Route("/readyz", ok)])
+    limits = HttpLimits(max_connections=4, probe_connections=2)
+    rejected: list[str] = []
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+        http=guarded_protocol(limits, rejected.append),
+        limit_concurrency=limits.max_connections + limits.probe_connections + 1,
+    ))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    busy: list[socket.socket] = []
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", 20)
+        for _ in range(4):  # every routing connection is busy with a whole request
+            busy.append(raw_request(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"))
+        time.sleep(0.3)
+        answers = [httpx.get(f"http://127.0.0.1:{port}{p}", timeout=5).status_code for p in ("/healthz", "/readyz") * 5]
+        other = httpx.get(f"http://127.0.0.1:{port}/slow", timeout=5).status_code
+        release.set()
+        for s in busy:
+            assert read_status(s) == 200  # none of them was cut
+    finally:
+        release.set()
+        for s in busy:
+            s.close()
+        server.should_exit = True
+        t.join(10)
+    assert answers == [200] * 10 and other == 503 and "connections" in rejected
