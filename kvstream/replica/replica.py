@@ -44,6 +44,7 @@ from kvstream.events.errors import DecodeError
 from kvstream.events.model import STATUS_HEADER
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
+from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.authority import authority_from_settings
@@ -52,7 +53,7 @@ from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.request_ids import scoped
-from kvstream.replica.snapshot import SnapshotStore, open_store
+from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.supervisor import RestartPolicy, Supervisor
 from kvstream.replica.ticks import TickCodec, Ticker, is_tick
@@ -260,7 +261,7 @@ class Replica:
                 f"topic {self.events_topic} is missing (create it with `kvstream topics create`)"
             )
         self.partition_count = len(tmd.partitions)
-        self.topic_id = _topic_id(admin, self.events_topic)
+        self.topic_id = topic_id(self.settings, self.events_topic)
         loaded = None
         if self._store_note is not None:
             self.metrics.snapshot_fallbacks.labels(skipped="store").inc()
@@ -275,6 +276,10 @@ class Replica:
             if loaded is None and skipped:
                 self.metrics.snapshot_fallbacks.labels(skipped="all").inc()
                 self._note("no snapshot generation is usable: full replay")
+            if loaded is not None and (foreign := self._foreign_snapshot(loaded[0])) is not None:
+                self.metrics.snapshot_fallbacks.labels(skipped="foreign").inc()
+                self._note(f"snapshot refused: {foreign}: full replay")
+                loaded = None
         # Watermarks come from a consumer that never fetches: on the fetching one, each
         # query waits behind a long-poll fetch and stalls ingest.
         self._watermarks = Consumer(consumer_config(self.settings))
@@ -314,6 +319,13 @@ class Replica:
         self._restored = meta
         self.metrics.snapshot_loaded_blocks.set(meta.blocks())
         return offsets
+
+    def _foreign_snapshot(self, meta: SnapshotMeta) -> str | None:
+        """Why a snapshot was written for another topic (None: it is this one's). The
+        same name with another id is this topic recreated, which recovery handles."""
+        if meta.topic != self.events_topic:
+            return f"it was written for topic {meta.topic}, not {self.events_topic}"
+        return None
 
     def _bounds(self, timeout: float) -> dict[int, tuple[int, int]]:
         """(earliest, end) offset of every partition; retried while a new topic's
@@ -710,16 +722,3 @@ class Replica:
         with self.lock:
             op = self.router.free(scoped(self.replica_id, request_id))
         self._share(op)
-
-
-def _topic_id(admin: AdminClient, topic: str) -> str | None:
-    """The topic's id (changes when a topic is deleted and recreated)."""
-    from confluent_kafka import TopicCollection
-
-    try:
-        futures = admin.describe_topics(TopicCollection([topic]), request_timeout=30)
-        desc = futures[topic].result()
-    except KafkaException:
-        return None
-    tid = getattr(desc, "topic_id", None)
-    return str(tid) if tid is not None else None

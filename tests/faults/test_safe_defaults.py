@@ -14,8 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from confluent_kafka import Producer
+
 from kvstream.events.model import Cleared, EventBatch, Tier
-from kvstream.replica.fold import STALE_EPOCH
+from kvstream.kafka.config import producer_config
+from kvstream.replica.fold import STALE_EPOCH, TICK_HEADER
 from kvstream.settings import Settings
 
 from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http
@@ -26,7 +29,7 @@ from tests.faults.test_http_limits import (
 from tests.replica.helpers import FakeWorkerLog
 from tests.faults.test_log_authority import _produce_raw, chain
 from tests.faults.test_worker_faults import blocks, epoch_truth, publisher, store, until
-from tests.replica.test_replica_kafka import start, wait_caught_up
+from tests.replica.test_replica_kafka import produce, start, wait_caught_up
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka]
 
@@ -244,3 +247,58 @@ def test_probes_answer_when_every_connection_is_busy_with_a_whole_request() -> N
         server.should_exit = True
         t.join(10)
     assert answers == [200] * 10 and other == 503 and "connections" in rejected
+
+
+# -- 5: a snapshot written for another topic ----------------------------------------------
+
+
+def _replay_rebuild(settings: Settings, out: Path) -> str:
+    """``kvstream replay rebuild --write-snapshot``, the real CLI, as an operator runs it."""
+    import subprocess
+
+    from tests.faults.helpers import KVSTREAM, ROOT, router_env
+
+    proc = subprocess.run(
+        [str(KVSTREAM), "replay", "rebuild", "--bootstrap", str(settings.bootstrap), "--topic-prefix",
+         settings.topics.prefix, "--at", "now", "--write-snapshot", str(out)],
+        env=router_env(settings), capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_snapshot_of_another_topic_is_refused(kafka_topics_factory, tmp_path: Path) -> None:
+    from kvstream.replica.snapshot import SnapshotStore
+
+    x, y = kafka_topics_factory(events_partitions=4), kafka_topics_factory(events_partitions=4)
+    wx, wy = FakeWorkerLog(81), FakeWorkerLog(82)
+    produce(x, [(81, wx.batch(wx.cleared(), wx.stored(list(range(16 * 6)))))])
+    produce(y, [(82, wy.batch(wy.cleared(), wy.stored(list(range(16 * 3)))))])
+    # Log-clock ticks on every partition of Y, so that X's offsets all lie within Y's log
+    # (the case where nothing else betrays the foreign snapshot).
+    p = Producer(producer_config(y))
+    for part in range(4):
+        for _ in range(3):
+            p.produce(y.topics.name("events"), None, partition=part, headers=[(TICK_HEADER, b"")])
+    assert p.flush(30) == 0
+    snap = tmp_path / "from-x"
+    _replay_rebuild(x, snap)
+    store = SnapshotStore(snap, read_only=True)
+    meta = store.latest_meta()[0]
+    store.close()
+    r = start(y, snapshot_dir=snap)
+    try:
+        wait_caught_up(r, y)
+        with r.lock:
+            assert 81 not in r.fold.workers and not r.router.index.knows(81)
+            assert r.router.index.worker_blocks(82) > 0
+        assert r.metrics.snapshot_fallbacks.labels(skipped="foreign")._value.get() == 1
+        assert any("written for topic" in n for n in r.recovery_notes), r.recovery_notes
+    finally:
+        r.stop()
+    agrees_with_log(r, y)
+    # The snapshot records which topic it is of: name and id.
+    from kvstream.kafka.topics import topic_id
+
+    assert meta.topic == x.topics.name("events") and meta.topic_id == topic_id(x, meta.topic) is not None
