@@ -147,7 +147,12 @@ class FoldSettings(BaseModel):
     #: Longest lease a batch may ask for (a phantom's lease is how long it holds a slot).
     max_lease_ms: int = Field(0, ge=0)
     max_blocks_per_event: int = Field(65_536, ge=0)
-    max_blocks_per_worker: int = Field(4_194_304, ge=0)
+    #: Sized from a real engine (kvstream.replica.authority.DEFAULT_BLOCKS_PER_WORKER);
+    #: a worker with a larger cache (a big disk tier) needs it raised.
+    max_blocks_per_worker: int = Field(1 << 20, ge=0)
+    #: The fleet-wide budget, kept per partition so that every replica decides alike
+    #: (the fleet holds at most this times the partition count); counted when it bites.
+    max_blocks_per_partition: int = Field(1 << 22, ge=0)
     max_workers_per_partition: int = Field(1024, ge=0)
     #: Only these worker ids are accepted (unset: any).
     allowed_workers: list[int] | None = None

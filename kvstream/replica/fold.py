@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
 from kvstream.logs import get_logger
-from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
 from kvstream.router import Router
 
 _log = get_logger(__name__)
@@ -139,6 +139,9 @@ class LogFold:
         self._deadlines: dict[int, list[tuple[int, int]]] = {}
         #: Workers bound to each partition (for the per-partition limit).
         self._bound: Counter[int] = Counter()
+        #: Per partition, an upper bound of the blocks its workers hold (stores added,
+        #: nothing taken off): counted exactly only when the budget would reject a store.
+        self._partition_held: dict[int, int] = {}
 
     # -- records ---------------------------------------------------------------------
 
@@ -252,6 +255,8 @@ class LogFold:
             if too_big is not None and too_big.reason == WORKER_FULL:
                 held = index.worker_blocks(wid)
                 too_big = check_event(ev, held)
+            if too_big is None and type(ev) is Stored:
+                too_big = self._partition_budget(partition, len(ev.block_hashes))
             if too_big is not None:
                 self.counters[too_big.reason] += 1
                 rejected.append(f"event {i} (id {ev.event_id}): {too_big}")
@@ -288,6 +293,23 @@ class LogFold:
             dlq_reason=f"{STALE_EPOCH}: epoch {epoch} < {held} (the worker is asked to resync above it)",
             resync=(wid,),
         )
+
+    def _partition_budget(self, partition: int, n: int) -> Rejection | None:
+        """The fleet-wide block budget, per partition: whether a store of ``n`` blocks
+        fits; if so it is added to the partition's bound."""
+        if self.authority.max_blocks_per_partition is None:
+            return None
+        budget = self.authority.partition_blocks_full
+        held = self._partition_held.get(partition)
+        if held is None or budget(held, n) is not None:
+            index = self.router.index
+            held = sum(index.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
+            full = budget(held, n)
+            if full is not None:
+                self._partition_held[partition] = held
+                return full
+        self._partition_held[partition] = held + n
+        return None
 
     # -- leases ----------------------------------------------------------------------
 

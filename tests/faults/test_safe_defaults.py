@@ -16,8 +16,10 @@ import pytest
 
 from confluent_kafka import Producer
 
-from kvstream.events.model import Cleared, EventBatch, Tier
+from kvstream.events.codec import EventCodec
+from kvstream.events.model import Cleared, EventBatch, Stored, Tier
 from kvstream.kafka.config import producer_config
+from kvstream.replica.authority import WORKER_FULL, worker_key
 from kvstream.replica.fold import STALE_EPOCH, TICK_HEADER
 from kvstream.settings import Settings
 
@@ -27,14 +29,19 @@ from tests.faults.test_http_limits import (
     raw_request, read_status, spawn, wait_worker,
 )
 from tests.replica.helpers import FakeWorkerLog
-from tests.faults.test_log_authority import _produce_raw, chain
+from tests.faults.test_log_authority import _produce_raw, _with_fold, chain
 from tests.faults.test_worker_faults import blocks, epoch_truth, publisher, store, until
 from tests.replica.test_replica_kafka import produce, start, wait_caught_up
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka]
 
 D = Tier.DEVICE
+CODEC = EventCodec()
 NS_PER_S = 1_000_000_000
+# Named as operators see them (and as literals, so that this module also loads against
+# the main of the issue, where the tests were first run).
+PARTITION_FULL = "partition_block_limit"
+DEFAULT_BLOCKS_PER_WORKER = 1 << 20  # kvstream.replica.authority.DEFAULT_BLOCKS_PER_WORKER
 
 
 # -- 2: a plausible forged epoch ---------------------------------------------------------
@@ -302,3 +309,61 @@ def test_a_snapshot_of_another_topic_is_refused(kafka_topics_factory, tmp_path: 
     from kvstream.kafka.topics import topic_id
 
     assert meta.topic == x.topics.name("events") and meta.topic_id == topic_id(x, meta.topic) is not None
+
+
+# -- 6: unbounded blocks ------------------------------------------------------------------
+
+
+def _flood(wid: int, epoch: int, events: int, per_event: int, base: int) -> EventBatch:
+    """A rogue's chain of ``events`` stores of ``per_event`` blocks (a batch each would
+    exceed the record size: the caller splits)."""
+    out, parent = [Cleared(wid, 0, D, epoch, 0)], None
+    for i in range(events):
+        hashes = tuple(range(base + i * per_event, base + (i + 1) * per_event))
+        out.append(Stored(wid, 0, D, epoch, i + 1, parent, hashes, hashes))
+        parent = hashes[-1]
+    return EventBatch(wid, epoch, 60_000, tuple(out))
+
+
+def _produce_split(settings: Settings, batch: EventBatch, partition: int | None = None) -> None:
+    """One record per event (lz4: a 65,536-block store of sequential hashes compresses far
+    below the broker's message size)."""
+    p = Producer(producer_config(settings, **{"compression.type": "lz4", "message.max.bytes": 4_000_000}))
+    for ev in batch.events:
+        value = CODEC.encode(EventBatch(batch.worker_id, batch.epoch, batch.lease_ms, (ev,)))
+        kw = {} if partition is None else {"partition": partition}
+        p.produce(settings.topics.name("events"), value, key=worker_key(batch.worker_id), **kw)
+        p.poll(0)
+    assert p.flush(60) == 0
+
+
+@pytest.mark.timeout(240)
+def test_block_floods_meet_the_default_worker_limit_and_the_fleet_budget(kafka_topics: Settings) -> None:
+    # Defaults: a rogue stores 17 x 65,536 blocks (each event under max_blocks_per_event).
+    per_event = 65_536
+    _produce_split(kafka_topics, _flood(90, 1, 17, per_event, 10**9))
+    # The fleet budget, scaled (max_blocks_per_partition 4,000): 3 workers of 1,500 on
+    # one partition; the third does not fit.
+    budget = _with_fold(kafka_topics, max_blocks_per_partition=4_000)
+    for wid in (91, 92, 93):
+        _produce_split(kafka_topics, _flood(wid, 1, 3, 500, wid * 10**6), partition=3)
+    r, b = start(kafka_topics), start(budget)
+    try:
+        wait_caught_up(r, kafka_topics)
+        wait_caught_up(b, kafka_topics)
+        with r.lock:
+            rogue = r.router.index.worker_blocks(90)
+            worker_limit = r.fold.counters[WORKER_FULL]
+        with b.lock:
+            fleet = {wid: b.router.index.worker_blocks(wid) for wid in (90, 91, 92, 93)}
+            fleet_limit = b.fold.counters[PARTITION_FULL]
+    finally:
+        r.stop()
+        b.stop()
+    print(f"FAULTS block_flood offered={17 * per_event} held={rogue} worker_block_limit={worker_limit} "
+          f"partition_budget=4000 held={fleet} partition_block_limit={fleet_limit}")
+    assert rogue == DEFAULT_BLOCKS_PER_WORKER == 16 * per_event and worker_limit == 1
+    # (the rogue's 17 stores do not fit the scaled budget either)
+    assert fleet == {90: 0, 91: 1_500, 92: 1_500, 93: 1_000} and fleet_limit == 1 + 17
+    agrees_with_log(r, kafka_topics)
+    agrees_with_log(b, budget)
