@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.logs import get_logger
 from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
 from kvstream.router import Router
@@ -84,6 +84,25 @@ def fold_in_slices(
             apply(records[i : i + step])
 
 
+#: Event ids per (worker, rank) whose digests the fold keeps (kvstream.replica.fold.WorkerLog).
+RECENT_IDS = 32
+_KINDS = {Stored: 1, Removed: 2, Cleared: 3}
+_TIER_CODES = {t: i for i, t in enumerate(Tier)}
+
+
+def event_digest(ev: RouterEvent) -> int:
+    """A digest of an event's content, the same in every process (``hash`` of a str, an
+    enum or None is not), so that snapshots can keep it."""
+    kind = type(ev)
+    if kind is Stored:
+        body: tuple = (ev.parent_hash is None, ev.parent_hash or 0, ev.block_hashes, ev.tokens_hashes)
+    elif kind is Removed:
+        body = (ev.block_hashes,)
+    else:
+        body = ()
+    return hash((_KINDS[kind], ev.dp_rank, _TIER_CODES[ev.tier], ev.epoch, ev.event_id, body))
+
+
 @dataclass(slots=True)
 class WorkerLog:
     """What the fold knows of one worker incarnation."""
@@ -94,9 +113,25 @@ class WorkerLog:
     last_seen_ms: int
     #: dp_rank → last applied event id in this epoch.
     last_ids: dict[int, int] = field(default_factory=dict)
-    #: dp_rank → hash of the event applied last (in memory only: it tells a redelivered
-    #: event from a different one that reuses its id).
-    last_digest: dict[int, int] = field(default_factory=dict)
+    #: dp_rank → {event id: digest} of the last RECENT_IDS events whose id was taken (in
+    #: snapshots too): it tells a redelivered event from another one that reuses its id,
+    #: also when another producer took several ids ahead of the worker.
+    recent: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def conflicts(self, ev: RouterEvent) -> bool:
+        """Whether ``ev`` reuses an id of the recent window with other content (an
+        older id, outside the window, is taken for a redelivery)."""
+        seen = self.recent.get(ev.dp_rank)
+        digest = seen.get(ev.event_id) if seen else None
+        return digest is not None and digest != event_digest(ev)
+
+    def remember(self, ev: RouterEvent) -> None:
+        seen = self.recent.get(ev.dp_rank)
+        if seen is None:
+            seen = self.recent[ev.dp_rank] = {}
+        seen[ev.event_id] = event_digest(ev)
+        if len(seen) > RECENT_IDS:
+            del seen[next(iter(seen))]  # ids only grow: the first is the oldest
 
     def outranks(self, epoch: int, partition: int) -> bool:
         """Whether this incarnation is greater than (epoch, partition): a higher epoch,
@@ -229,7 +264,6 @@ class LogFold:
         apply_event = self.router.apply_event
         check_event = self.authority.check_event
         last_ids = log.last_ids
-        last_event: dict[int, RouterEvent] = {}
         # Blocks the worker holds, an upper bound (stores added, removes not taken off):
         # counted exactly only when the bound would reject a store.
         held = index.worker_blocks(wid)
@@ -237,7 +271,7 @@ class LogFold:
             last = last_ids.get(ev.dp_rank)
             if last is not None:
                 if ev.event_id <= last:
-                    if ev.event_id == last and log.last_digest.get(ev.dp_rank, hash(ev)) != hash(ev):
+                    if log.conflicts(ev):
                         self.counters[ID_CONFLICT] += 1
                         rejected.append(f"event {i} (id {ev.event_id}): {ID_CONFLICT}")
                         if wid not in resync:
@@ -250,7 +284,7 @@ class LogFold:
                     if wid not in resync:
                         resync.append(wid)
             last_ids[ev.dp_rank] = ev.event_id
-            last_event[ev.dp_rank] = ev
+            log.remember(ev)
             too_big = check_event(ev, held)
             if too_big is not None and too_big.reason == WORKER_FULL:
                 held = index.worker_blocks(wid)
@@ -269,8 +303,6 @@ class LogFold:
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        for rank, ev in last_event.items():
-            log.last_digest[rank] = hash(ev)
         if not known and not announced and index.knows(wid):
             # A worker becomes a candidate by an accepted store or its `cleared` (an
             # empty cache is a real worker); rejected stores and removes of blocks it

@@ -130,6 +130,9 @@ class WorkerMeta:
     last_seen_ms: int
     last_ids: dict[int, int]
     blob: BlobRef
+    #: rank → {event id: digest} of the fold's recent window (kvstream.replica.fold.
+    #: WorkerLog.recent): a restarted replica still tells a reused id from a redelivery.
+    recent: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def stamp(self, worker: int) -> bytes:
         return stamp(worker, self.epoch, self.last_ids, self.last_seen_ms)
@@ -183,6 +186,7 @@ class SnapshotMeta:
                             "last_seen_ms": wm.last_seen_ms,
                             "last_ids": {str(r): i for r, i in wm.last_ids.items()},
                             "blob": [wm.blob.gen, wm.blob.nbytes, wm.blob.checksum],
+                            "recent": {str(r): list(d.items()) for r, d in wm.recent.items()},
                         }
                         for w, wm in pm.workers.items()
                     },
@@ -211,6 +215,8 @@ class SnapshotMeta:
                     pm.workers[int(w)] = WorkerMeta(
                         wd["epoch"], wd["lease_ms"], wd["last_seen_ms"],
                         {int(r): i for r, i in wd["last_ids"].items()}, BlobRef(*wd["blob"]),
+                        # Absent from snapshots written before the digests were kept.
+                        {int(r): {int(i): int(d) for i, d in pairs} for r, pairs in wd.get("recent", {}).items()},
                     )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"malformed snapshot meta: {exc}") from None

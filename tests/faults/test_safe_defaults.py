@@ -20,7 +20,7 @@ from kvstream.events.codec import EventCodec
 from kvstream.events.model import Cleared, EventBatch, Stored, Tier
 from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import WORKER_FULL, worker_key
-from kvstream.replica.fold import STALE_EPOCH, TICK_HEADER
+from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH, TICK_HEADER
 from kvstream.settings import Settings
 
 from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http
@@ -30,7 +30,7 @@ from tests.faults.test_http_limits import (
 )
 from tests.replica.helpers import FakeWorkerLog
 from tests.faults.test_log_authority import _produce_raw, _with_fold, chain
-from tests.faults.test_worker_faults import blocks, epoch_truth, publisher, store, until
+from tests.faults.test_worker_faults import _last_event_id, blocks, epoch_truth, publisher, store, until
 from tests.replica.test_replica_kafka import produce, start, wait_caught_up
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka]
@@ -367,3 +367,75 @@ def test_block_floods_meet_the_default_worker_limit_and_the_fleet_budget(kafka_t
     assert fleet == {90: 0, 91: 1_500, 92: 1_500, 93: 1_000} and fleet_limit == 1 + 17
     agrees_with_log(r, kafka_topics)
     agrees_with_log(b, budget)
+
+
+# -- 7: event ids taken ahead, and across a restart ----------------------------------------
+
+
+def _take_ids(settings: Settings, pub, wid: int, first: int, n: int) -> None:
+    """Another producer takes the worker's next ``n`` event ids (its epoch and key),
+    storing blocks the worker does not have."""
+    rogue = tuple(
+        Stored(wid, 0, D, pub.epoch, first + i, None, (777_000 + i,), (777_000 + i,)) for i in range(n)
+    )
+    _produce_raw(settings, [EventBatch(wid, pub.epoch, 60_000, rogue)])
+
+
+@pytest.mark.timeout(120)
+def test_event_ids_taken_ahead_are_conflicts_not_duplicates(kafka_topics: Settings) -> None:
+    pub, cons = publisher(kafka_topics, 76, listen_control=True)
+    r = start(kafka_topics, resync_min_interval_s=0.0)
+    try:
+        store(cons, 100, 4)
+        assert pub.flush(30) == 0
+        wait_caught_up(r, kafka_topics)
+        _take_ids(kafka_topics, pub, 76, _last_event_id(kafka_topics, 76, pub.epoch) + 1, 20)
+        first = pub.epoch
+        for i in range(20):  # the worker's own 20 events with those ids
+            chain(cons, 200 + 10 * i, 1)
+        assert pub.flush(30) == 0
+        until(lambda: pub.stats.resyncs >= 1, "the worker's resync", tick=lambda: pub.poll(cons))
+        assert pub.flush(30) == 0 and pub.epoch > first
+        wait_caught_up(r, kafka_topics)
+        with r.lock:
+            conflicts, duplicates = r.fold.counters[ID_CONFLICT], r.fold.counters[DUPLICATE]
+            healed = blocks(r.fold, 76)
+    finally:
+        r.stop()
+        pub.close()
+    print(f"FAULTS ids_taken_ahead=20 conflicts={conflicts} hidden_as_duplicates={duplicates}")
+    assert conflicts == 20 and duplicates == 0
+    assert healed == epoch_truth(kafka_topics, 76, pub.epoch) and not {h for _, _, h in healed} & set(range(777_000, 777_020))
+    agrees_with_log(r, kafka_topics)
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_restarted_between_a_rogue_record_and_the_real_one_sees_the_conflict(
+    kafka_topics: Settings, tmp_path: Path
+) -> None:
+    pub, cons = publisher(kafka_topics, 77, listen_control=True)
+    snap = tmp_path / "snap"
+    r = start(kafka_topics, snapshot_dir=snap, resync_min_interval_s=0.0)
+    try:
+        store(cons, 100, 4)
+        assert pub.flush(30) == 0
+        wait_caught_up(r, kafka_topics)
+        _take_ids(kafka_topics, pub, 77, _last_event_id(kafka_topics, 77, pub.epoch) + 1, 1)
+        wait_caught_up(r, kafka_topics)
+    finally:
+        r.stop()  # a final snapshot: the rogue record is in it
+    first = pub.epoch
+    chain(cons, 300, 2)  # the real event with that id, while no replica runs
+    assert pub.flush(30) == 0
+    r2 = start(kafka_topics, snapshot_dir=snap, resync_min_interval_s=0.0)
+    try:
+        until(lambda: r2.fold.counters[ID_CONFLICT] == 1, "the conflict seen after the restart")
+        until(lambda: pub.stats.resyncs >= 1, "the worker's resync", tick=lambda: pub.poll(cons))
+        assert pub.flush(30) == 0 and pub.epoch > first
+        wait_caught_up(r2, kafka_topics)
+        with r2.lock:
+            healed = blocks(r2.fold, 77)
+    finally:
+        r2.stop()
+        pub.close()
+    assert healed == epoch_truth(kafka_topics, 77, pub.epoch) and 777_000 not in {h for _, _, h in healed}
