@@ -75,7 +75,12 @@ def cli(log_level: str, log_format: str) -> None:
 
 
 def main() -> None:
+    from kvstream.kafka.errors import KafkaSetupError
+
     try:
         cli(standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
+    except KafkaSetupError as exc:  # e.g. kafka_options librdkafka refuses: one line, no traceback
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)

@@ -211,6 +211,15 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+def validation_message(exc: ValidationError) -> str:
+    """What is wrong, per field, without the values given: a setting may be a secret
+    (``kafka_options.sasl.password``, a token)."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+        for e in exc.errors(include_url=False, include_input=False, include_context=False)
+    )
+
+
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
     """Settings from flags (``overrides``, None values ignored), env and the TOML file."""
     global _config_file
@@ -221,7 +230,7 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        raise SettingsError(f"invalid settings: {exc}") from None
+        raise SettingsError(f"invalid settings: {validation_message(exc)}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {_config_file} is not valid TOML: {exc}") from None
     finally:

@@ -29,6 +29,7 @@ is moved aside (:func:`open_store`). Every RocksDB error is a :class:`SnapshotEr
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -305,7 +306,9 @@ class SnapshotStore:
                 return Rdict(str(self.path), opts, access_type=AccessType.read_only())
             self.path.parent.mkdir(parents=True, exist_ok=True)
             opts.create_if_missing(True)
-            return Rdict(str(self.path), opts)
+            db = Rdict(str(self.path), opts)
+            self._identity = _identity(self.path)
+            return db
         except Exception as exc:  # rocksdict raises plain Exceptions for I/O problems
             raise SnapshotError(f"cannot open snapshot store {self.path}: {exc}") from None
 
@@ -385,6 +388,10 @@ class SnapshotStore:
     def commit(self, meta: SnapshotMeta, prev: int) -> None:
         """Make ``meta``'s generation the newest, atomically, with ``prev`` (the last
         generation known good, 0 for none) as its fallback; delete the rest."""
+        if not self.read_only and _identity(self.path) != self._identity:
+            # RocksDB writes on into the files it has open: a commit would succeed, into
+            # files nobody can read again.
+            raise SnapshotError(f"the snapshot directory {self.path} was deleted or replaced under the replica")
         wb = WriteBatch(raw_mode=True)
         wb.put(_meta_key(meta.gen), meta.to_bytes())
         wb.put(_HEAD, struct.pack(">QQ", meta.gen, prev))
@@ -513,6 +520,15 @@ class SnapshotStore:
 
     def workers_of(self, meta: SnapshotMeta) -> Mapping[int, WorkerMeta]:
         return dict(meta.workers())
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The directory's (device, inode); None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def open_store(path: Path) -> tuple[SnapshotStore | None, str | None]:

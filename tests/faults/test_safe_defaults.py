@@ -439,3 +439,75 @@ def test_a_replica_restarted_between_a_rogue_record_and_the_real_one_sees_the_co
         r2.stop()
         pub.close()
     assert healed == epoch_truth(kafka_topics, 77, pub.epoch) and 777_000 not in {h for _, _, h in healed}
+
+
+# -- 7: docs behind the operator token; settings errors that keep secrets ------------------
+
+
+def test_docs_need_the_operator_token(defaults_router: Router) -> None:
+    r = defaults_router
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(r.url + path, timeout=10).status_code == 401, path
+        assert httpx.get(r.url + path, headers=auth(CLIENT), timeout=10).status_code == 401, path
+        assert httpx.get(r.url + path, headers=auth(OPERATOR), timeout=10).status_code == 200, path
+    schema = httpx.get(r.url + "/openapi.json", headers=auth(OPERATOR), timeout=10).json()
+    assert "/v1/route" in schema["paths"]
+
+
+@pytest.mark.timeout(120)
+def test_kafka_option_errors_are_one_line_without_the_secret(kafka_bootstrap: str) -> None:
+    import subprocess
+
+    from tests.faults.helpers import KVSTREAM, ROOT, router_env
+
+    secret = "918273645546372819"
+    for options, says in (
+        (f'{{"sasl.password": {secret}}}', "kafka_options.sasl.password"),  # a number in TOML/JSON
+        (f'{{"sasl.mechanism": "{secret}", "security.protocol": "SASL_PLAINTEXT"}}', "Unsupported SASL mechanism"),
+        ('{"no.such.option": "1"}', 'No such configuration property: "no.such.option"'),
+    ):
+        env = router_env(Settings(bootstrap=kafka_bootstrap)) | {"KVSTREAM_KAFKA_OPTIONS": options}
+        out = subprocess.run([str(KVSTREAM), "router", "--bootstrap", kafka_bootstrap], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        text = out.stdout + out.stderr
+        assert out.returncode != 0 and says in text, text
+        assert secret not in text and "Traceback" not in text, text
+        assert len([ln for ln in out.stderr.splitlines() if ln.startswith("Error:")]) == 1, text
+
+
+# -- 7: the snapshot directory deleted under a running replica ----------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_deleted_snapshot_directory_fails_commits_and_is_made_again(kafka_topics: Settings, tmp_path: Path) -> None:
+    import shutil
+
+    from kvstream.replica.snapshot import SnapshotStore
+
+    snap = tmp_path / "snap"
+    w = FakeWorkerLog(78, lease_ms=10**9)
+    produce(kafka_topics, [(78, w.batch(w.cleared(), w.stored(list(range(16 * 4)))))])
+    r = start(kafka_topics, snapshot_dir=snap, snapshot_every_records=1, snapshot_every_s=0.2)
+    try:
+        wait_caught_up(r, kafka_topics)
+        until(lambda: r.snapshotter.base is not None, "a first generation")
+        shutil.rmtree(snap)
+        produce(kafka_topics, [(78, w.batch(w.stored(list(range(16 * 8)), start_block=4)))])
+        until(lambda: r.metrics.snapshot_write_failures._value.get() >= 1, "the failed commit counted")
+        produce(kafka_topics, [(78, w.batch(w.stored(list(range(16 * 9)), start_block=8)))])
+        wait_caught_up(r, kafka_topics)
+        failed_at = r.snapshotter._bad_gen
+        until(lambda: snap.is_dir() and r.snapshotter.base.gen > failed_at and not r.snapshotter._failed.is_set(),
+              "a generation in the directory made again")
+        failures = r.metrics.snapshot_write_failures._value.get()
+    finally:
+        r.stop()
+    from tests.replica.test_snapshot import restore
+
+    store = SnapshotStore(snap, read_only=True)
+    try:
+        fold, _, _ = restore(store)  # what a restart would load: the whole log
+    finally:
+        store.close()
+    assert fold.router.index.worker_blocks(78) == 9 and failures >= 1
+    print(f"FAULTS snapshot_dir_deleted failed_commits={failures:.0f} blocks_after_restart=9")
