@@ -72,6 +72,8 @@ _ERROR_HEADER = "kvstream-error"
 _SOURCE_HEADER = "kvstream-source"
 #: On a DLQ record that references a too-large original instead of copying it.
 _REF_HEADER = "kvstream-dlq-reference"
+#: On a load op: which running instance of a replica id sent it ("<start ms>:<uuid>").
+_INSTANCE_HEADER = "kvstream-instance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +139,9 @@ class Replica:
         self.settings = settings
         self.options = options or ReplicaOptions()
         self.replica_id = self.options.replica_id
+        #: This process's instance of ``replica_id``: (start, random) orders two of them.
+        self._instance = (int(time.time() * 1000), uuid.uuid4().hex)
+        self._instance_tag = f"{self._instance[0]}:{self._instance[1]}".encode()
         self.router = Router(router_config, clock=clock)
         self.codec = AvroCodec()
         self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
@@ -660,11 +665,11 @@ class Replica:
                 for m in consumer.consume(500, 0.1):
                     if m.error() is not None:
                         continue
-                    self._apply_peer_op(m.value())
+                    self._apply_peer_op(m.value(), m.headers(), m.timestamp()[1])
         finally:
             consumer.close()
 
-    def _apply_peer_op(self, value: bytes | None) -> None:
+    def _apply_peer_op(self, value: bytes | None, headers: list | None = None, timestamp_ms: int = 0) -> None:
         try:
             if value is None:
                 raise DecodeError("active op record has no value")
@@ -674,6 +679,7 @@ class Replica:
             log.warning("bad active op", error=str(exc))
             return
         if replica_id == self.replica_id:
+            self._own_id_op(headers, timestamp_ms)
             return
         with self.lock:
             try:
@@ -682,11 +688,30 @@ class Replica:
             except RouterError as exc:  # e.g. free of a request that already expired here
                 self.metrics.active_errors.labels(reason=type(exc).__name__).inc()
 
+    def _own_id_op(self, headers: list | None, timestamp_ms: int) -> None:
+        """A load op under this replica's id: ours, an earlier incarnation's (before this
+        one started), or another replica's given the same id, which would silently stop
+        the two sharing load. Of two such instances the one that started later gives up
+        (``kvstream router`` exits non-zero with the reason); the other counts it."""
+        tag = dict(headers or ()).get(_INSTANCE_HEADER)
+        if tag == self._instance_tag or timestamp_ms < self._instance[0] or self.supervisor.fatal is not None:
+            return
+        self.metrics.replica_id_conflicts.inc()
+        start, _, nonce = (tag or b"0:").decode(errors="replace").partition(":")
+        other = (int(start) if start.isdigit() else 0, nonce)
+        reason = (f"another running replica uses replica_id {self.replica_id!r} (instance {other[0]}:{other[1]}): "
+                  "every replica needs its own")
+        if other < self._instance:
+            self.supervisor.give_up(reason)
+        else:
+            log.error("replica id conflict: the other instance started later and gives up", reason=reason)
+
     def _share(self, op: ActiveOp) -> None:
         self.metrics.active_ops.labels(source="local").inc()
         self._produce(
             "active", self.settings.topics.name("active"),
             value=self.active_codec.encode(self.replica_id, op), key=op.request_id.encode(),
+            headers=[(_INSTANCE_HEADER, self._instance_tag)],
         )
 
     # -- requests --------------------------------------------------------------------

@@ -511,3 +511,82 @@ def test_a_deleted_snapshot_directory_fails_commits_and_is_made_again(kafka_topi
         store.close()
     assert fold.router.index.worker_blocks(78) == 9 and failures >= 1
     print(f"FAULTS snapshot_dir_deleted failed_commits={failures:.0f} blocks_after_restart=9")
+
+
+# -- 7: resyncs found in the log's history ------------------------------------------------
+
+
+def _requests_by(settings: Settings, requester: str, wait_s: float = 4.0) -> list[dict]:
+    from kvstream.events.codec import AvroCodec
+
+    from tests.replica.test_replica_kafka import read_all
+
+    codec = AvroCodec()
+    records = [codec.decode(m.value())[1] for m in read_all(settings, "control", timeout=wait_s, want=10**6)]
+    return [r for r in records if r["requester"] == requester]
+
+
+@pytest.mark.timeout(180)
+def test_a_fresh_replica_asks_only_for_resyncs_the_log_has_not_healed(kafka_topics: Settings) -> None:
+    pub, cons = publisher(kafka_topics, 79, listen_control=True)
+    live = start(kafka_topics, resync_min_interval_s=0.0)
+    try:
+        store(cons, 100, 4)
+        assert pub.flush(30) == 0
+        wait_caught_up(live, kafka_topics)
+        # A gap (a lost batch), healed at once by the worker's resync.
+        gap = Stored(79, 0, D, pub.epoch, _last_event_id(kafka_topics, 79, pub.epoch) + 3, None, (4242,), (4242,))
+        _produce_raw(kafka_topics, [EventBatch(79, pub.epoch, 60_000, (gap,))])
+        until(lambda: pub.stats.resyncs == 1, "the worker's resync", tick=lambda: pub.poll(cons))
+        assert pub.flush(30) == 0
+        # Worker 83 has a gap nobody healed (it never answers).
+        w = FakeWorkerLog(83, lease_ms=10**9)
+        produce(kafka_topics, [(83, w.batch(w.cleared(), w.stored(list(range(32))))),
+                               (83, EventCodec().encode(EventBatch(83, w.epoch, 10**9, (
+                                   Stored(83, 0, D, w.epoch, 9, None, (4343,), (4343,)),))))])
+        wait_caught_up(live, kafka_topics)
+    finally:
+        live.stop()
+    fresh = start(kafka_topics, resync_min_interval_s=0.0)
+    try:
+        wait_caught_up(fresh, kafka_topics)
+        until(lambda: fresh.metrics.resync_requests._value.get() >= 1, "the unhealed resync")
+        asked = _requests_by(kafka_topics, fresh.replica_id)
+        healed = fresh.metrics.resyncs_healed._value.get()
+    finally:
+        fresh.stop()
+        pub.close()
+    print(f"FAULTS history_resyncs asked={[r['worker_id'] for r in asked]} healed_not_asked={healed:.0f}")
+    assert [r["worker_id"] for r in asked] == [83] and healed >= 1
+
+
+# -- 7: two replicas given the same replica_id --------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_two_replicas_with_one_replica_id_are_refused(kafka_topics: Settings) -> None:
+    w = FakeWorkerLog(84, lease_ms=10**9)
+    produce(kafka_topics, [(84, w.batch(w.cleared(), w.stored(list(range(64)))))])
+    given_up: list[str] = []
+    from kvstream.replica.replica import Replica, ReplicaOptions
+
+    first = start(kafka_topics, replica_id="router-a")
+    time.sleep(0.01)  # strictly later
+    second = Replica(kafka_topics, ReplicaOptions(replica_id="router-a", tick_interval_s=3600.0), on_fatal=given_up.append)
+    second.start()
+    try:
+        assert second.wait_ready(60)
+        wait_caught_up(first, kafka_topics)
+        wait_caught_up(second, kafka_topics)
+        # Both route (each publishes its load ops); each reads the other's.
+        for i in range(3):
+            first.route(list(range(64)), request_id=f"a-{i}")
+            second.route(list(range(64)), request_id=f"b-{i}")
+        until(lambda: second.fatal is not None, "the later instance refused")
+        until(lambda: first.metrics.replica_id_conflicts._value.get() >= 1, "the earlier one sees it")
+        assert first.fatal is None and first.ready and not second.ready
+        assert given_up and "replica_id 'router-a'" in given_up[0]
+    finally:
+        second.stop()
+        first.stop()
+    print(f"FAULTS same_replica_id later_gave_up={second.fatal is not None} earlier_serving={first.fatal is None}")
