@@ -56,6 +56,8 @@ WRONG_PARTITION = "batch_wrong_partition"
 #: An event id that the worker already used, with other content: another producer took
 #: the id (or the worker restarted without a new epoch); the worker is asked to resync.
 ID_CONFLICT = "event_id_conflict"
+#: A worker that had stored no block, removed to make room on a full partition.
+DISPLACED = "worker_displaced"
 #: The fold itself failed on a record (a bug). Deterministic like the rest, so every
 #: replica fails the same way on it: the record is dead-lettered, ingest goes on.
 FOLD_ERROR = "record_fold_error"
@@ -117,6 +119,9 @@ class WorkerLog:
     #: snapshots too): it tells a redelivered event from another one that reuses its id,
     #: also when another producer took several ids ahead of the worker.
     recent: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Whether a store of this epoch was accepted: a worker counts against its
+    #: partition's worker limit only then (kvstream.replica.fold.LogFold._displace_blockless).
+    stored: bool = False
 
     def conflicts(self, ev: RouterEvent) -> bool:
         """Whether ``ev`` reuses an id of the recent window with other content (an
@@ -174,6 +179,10 @@ class LogFold:
         self._deadlines: dict[int, list[tuple[int, int]]] = {}
         #: Workers bound to each partition (for the per-partition limit).
         self._bound: Counter[int] = Counter()
+        #: (last seen ms, worker id) per partition of incarnations that had stored
+        #: nothing when pushed: who makes room for a newcomer; stale entries are skipped
+        #: lazily, as for the deadlines.
+        self._blockless: dict[int, list[tuple[int, int]]] = {}
         #: Per partition, an upper bound of the blocks its workers hold (stores added,
         #: nothing taken off): counted exactly only when the budget would reject a store.
         self._partition_held: dict[int, int] = {}
@@ -239,7 +248,7 @@ class LogFold:
         if log is None or log.epoch != batch.epoch or log.partition != partition:
             if log is None or log.partition != partition:
                 full = self.authority.partition_full(self._bound[partition])
-                if full is not None:
+                if full is not None and not self._displace_blockless(partition):
                     self.counters[full.reason] += 1
                     return Outcome(dlq_reason=str(full))
                 heapq.heappush(self._deadlines.setdefault(partition, []), (ts + batch.lease_ms, wid))
@@ -248,8 +257,10 @@ class LogFold:
                 # A new incarnation replaces the old one even if its `cleared` was lost;
                 # on the same partition the old lease entry serves the new incarnation.
                 self.router.index.clear_worker(wid)
-                self._bound[log.partition] -= 1
+                if log.partition != partition:
+                    self._bound[log.partition] -= 1
             log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
+            heapq.heappush(self._blockless.setdefault(partition, []), (ts, wid))
             if batch.events and type(batch.events[0]) is not Cleared:
                 self.counters[NO_CLEARED] += 1
                 resync.append(wid)
@@ -300,6 +311,7 @@ class LogFold:
                 applied += 1
                 if type(ev) is Stored:
                     held += len(ev.block_hashes)
+                    log.stored = True
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
@@ -325,6 +337,30 @@ class LogFold:
             dlq_reason=f"{STALE_EPOCH}: epoch {epoch} < {held} (the worker is asked to resync above it)",
             resync=(wid,),
         )
+
+    def _displace_blockless(self, partition: int) -> bool:
+        """Make room on a full partition: the worker bound there that has stored nothing
+        in its epoch and was seen least recently (then the lowest id) is removed, so
+        that workers that never publish blocks (phantoms) cannot crowd out real ones.
+        Only the fold's state decides (``stored`` is in snapshots), so every replica
+        removes the same one. False when every worker there has stored blocks."""
+        heap = self._blockless.get(partition)
+        while heap:
+            seen, wid = heapq.heappop(heap)
+            log = self.workers.get(wid)
+            if log is None or log.partition != partition or log.stored:
+                continue  # gone, moved, or a real worker now
+            if log.last_seen_ms != seen:
+                heapq.heappush(heap, (log.last_seen_ms, wid))  # seen since it was pushed
+                continue
+            del self.workers[wid]
+            self._bound[partition] -= 1
+            self.dirty.add(wid)
+            if self.router.index.knows(wid):
+                self.router.remove_worker(wid)
+            self.counters[DISPLACED] += 1
+            return True
+        return False
 
     def _partition_budget(self, partition: int, n: int) -> Rejection | None:
         """The fleet-wide block budget, per partition: whether a store of ``n`` blocks
@@ -381,6 +417,8 @@ class LogFold:
                 self.router.index.remove_worker(worker_id)
         self.workers[worker_id] = log
         self._bound[log.partition] += 1
+        if not log.stored:
+            heapq.heappush(self._blockless.setdefault(log.partition, []), (log.last_seen_ms, worker_id))
         heapq.heappush(
             self._deadlines.setdefault(log.partition, []), (log.last_seen_ms + log.lease_ms, worker_id)
         )

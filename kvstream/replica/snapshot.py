@@ -134,6 +134,8 @@ class WorkerMeta:
     #: rank → {event id: digest} of the fold's recent window (kvstream.replica.fold.
     #: WorkerLog.recent): a restarted replica still tells a reused id from a redelivery.
     recent: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Whether the worker stored anything in its epoch (fold.WorkerLog.stored).
+    stored: bool = True
 
     def stamp(self, worker: int) -> bytes:
         return stamp(worker, self.epoch, self.last_ids, self.last_seen_ms)
@@ -188,6 +190,7 @@ class SnapshotMeta:
                             "last_ids": {str(r): i for r, i in wm.last_ids.items()},
                             "blob": [wm.blob.gen, wm.blob.nbytes, wm.blob.checksum],
                             "recent": {str(r): list(d.items()) for r, d in wm.recent.items()},
+                            "stored": wm.stored,
                         }
                         for w, wm in pm.workers.items()
                     },
@@ -218,6 +221,7 @@ class SnapshotMeta:
                         {int(r): i for r, i in wd["last_ids"].items()}, BlobRef(*wd["blob"]),
                         # Absent from snapshots written before the digests were kept.
                         {int(r): {int(i): int(d) for i, d in pairs} for r, pairs in wd.get("recent", {}).items()},
+                        bool(wd.get("stored", True)),
                     )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"malformed snapshot meta: {exc}") from None

@@ -160,7 +160,7 @@ class Snapshotter:
             ref = None if wid in fold.dirty else getattr(base_workers.get(wid), "blob", None)
             wm = pm.workers[wid] = WorkerMeta(
                 wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref or _PENDING,
-                {r: dict(d) for r, d in wlog.recent.items()},
+                {r: dict(d) for r, d in wlog.recent.items()}, wlog.stored,
             )
             if ref is None:
                 blobs.append((wid, wm.stamp(wid) + pack_worker(export(wid))))
@@ -264,7 +264,7 @@ def restore_fold(
             if fold.restore_worker(
                 wid, WorkerLog(
                     p, wm.epoch, wm.lease_ms, wm.last_seen_ms, dict(wm.last_ids),
-                    {r: dict(d) for r, d in wm.recent.items()},
+                    {r: dict(d) for r, d in wm.recent.items()}, wm.stored,
                 )
             ):
                 index.import_worker(wid, packed_worker(blobs[wid]))

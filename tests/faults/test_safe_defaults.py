@@ -41,6 +41,7 @@ NS_PER_S = 1_000_000_000
 # Named as operators see them (and as literals, so that this module also loads against
 # the main of the issue, where the tests were first run).
 PARTITION_FULL = "partition_block_limit"
+DISPLACED = "worker_displaced"
 DEFAULT_BLOCKS_PER_WORKER = 1 << 20  # kvstream.replica.authority.DEFAULT_BLOCKS_PER_WORKER
 
 
@@ -590,3 +591,52 @@ def test_two_replicas_with_one_replica_id_are_refused(kafka_topics: Settings) ->
         second.stop()
         first.stop()
     print(f"FAULTS same_replica_id later_gave_up={second.fatal is not None} earlier_serving={first.fatal is None}")
+
+
+# -- 1 (the limit's part): phantoms cannot crowd out an honest worker ---------------------
+
+
+@pytest.mark.timeout(240)
+def test_phantoms_cannot_crowd_out_an_honest_worker(kafka_topics: Settings, tmp_path: Path) -> None:
+    """5,000 phantoms (`cleared` only, made-up ids) fill every partition past the default
+    limit (1,024 workers each); an honest worker that then starts, and stores blocks, is
+    admitted in place of the phantom seen least recently, and stays across a restart
+    from a snapshot while more phantoms come."""
+    def phantoms(first: int, n: int) -> list[EventBatch]:
+        return [EventBatch(wid, 1, 10**9, (Cleared(wid, 0, D, 1, 0),)) for wid in range(first, first + n)]
+
+    snap = tmp_path / "snap"
+    _produce_raw(kafka_topics, phantoms(100_000, 5_000))
+    r = start(kafka_topics, snapshot_dir=snap)
+    pub, cons = publisher(kafka_topics, 85, listen_control=False)
+    try:
+        wait_caught_up(r, kafka_topics)
+        store(cons, 100, 6)
+        assert pub.flush(30) == 0
+        wait_caught_up(r, kafka_topics)
+        with r.lock:
+            assert blocks(r.fold, 85) == epoch_truth(kafka_topics, 85, pub.epoch) and len(blocks(r.fold, 85)) == 6
+            displaced = r.fold.counters[DISPLACED]
+            refused = r.fold.counters["partition_worker_limit"]
+    finally:
+        r.stop()
+    _produce_raw(kafka_topics, phantoms(200_000, 1_000))
+    chain(cons, 200, 3)
+    assert pub.flush(30) == 0
+    r2 = start(kafka_topics, snapshot_dir=snap)
+    try:
+        wait_caught_up(r2, kafka_topics)
+        with r2.lock:
+            held = blocks(r2.fold, 85)
+            per_partition: dict[int, int] = {}
+            for wlog in r2.fold.workers.values():
+                per_partition[wlog.partition] = per_partition.get(wlog.partition, 0) + 1
+    finally:
+        r2.stop()
+        pub.close()
+    print(f"FAULTS phantoms=6000 default_limit=1024 honest_admitted=True displaced={displaced} refused={refused} "
+          f"per_partition={sorted(per_partition.values())}")
+    assert refused == 0 and displaced >= 5_000 - 4 * 1024
+    assert held == epoch_truth(kafka_topics, 85, pub.epoch) and len(held) == 9
+    assert max(per_partition.values()) == 1024
+    agrees_with_log(r2, kafka_topics)  # restored from a snapshot: the same phantoms displaced
