@@ -95,6 +95,8 @@ def cli(log_level: str, log_format: str) -> None:
 def main() -> None:
     # Not click's standalone mode: it turns Ctrl-C into "Aborted!" and exit 1, where
     # kvstream's commands all end with 130 (the shell's convention for SIGINT).
+    from kvstream.kafka.errors import KafkaSetupError
+
     try:
         status = cli.main(standalone_mode=False)
     except (KeyboardInterrupt, click.Abort):
@@ -102,6 +104,9 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except KafkaSetupError as exc:  # e.g. kafka_options librdkafka refuses: one line, no traceback
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)
     except Exception as exc:
         kafka = sys.modules.get("confluent_kafka")
         if kafka is None or not isinstance(exc, kafka.KafkaException):

@@ -124,6 +124,10 @@ class ReplicaSettings(Section):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=2)
+    #: Connections kept beyond max_connections for /healthz and /readyz alone.
+    probe_connections: int = Field(16, ge=0)
+    #: Body bytes all requests in progress may hold together (429 past it).
+    max_buffered_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     route_threads: int = Field(4, ge=1)
     inline_route_bytes: int = Field(256 * 1024, ge=0)
     snapshot_streams: int = Field(2, ge=1)
@@ -158,7 +162,12 @@ class FoldSettings(Section):
     #: Longest lease a batch may ask for (a phantom's lease is how long it holds a slot).
     max_lease_ms: int = Field(0, ge=0)
     max_blocks_per_event: int = Field(65_536, ge=0)
-    max_blocks_per_worker: int = Field(4_194_304, ge=0)
+    #: Sized from a real engine (kvstream.replica.authority.DEFAULT_BLOCKS_PER_WORKER);
+    #: a worker with a larger cache (a big disk tier) needs it raised.
+    max_blocks_per_worker: int = Field(1 << 20, ge=0)
+    #: The fleet-wide budget, kept per partition so that every replica decides alike
+    #: (the fleet holds at most this times the partition count); counted when it bites.
+    max_blocks_per_partition: int = Field(1 << 22, ge=0)
     max_workers_per_partition: int = Field(1024, ge=0)
     #: Only these worker ids are accepted (unset: any).
     allowed_workers: list[int] | None = None
@@ -277,7 +286,8 @@ def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
 
 
 def is_secret(key: str) -> bool:
-    return any(word in key.lower() for word in SECRET_WORDS)
+    # librdkafka's passthrough may hold credentials under any name (sasl.jaas.config).
+    return key.startswith("kafka_options") or any(word in key.lower() for word in SECRET_WORDS)
 
 
 def _keys_at(loc: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+import functools
 import uuid
 from typing import Any
 
@@ -122,7 +123,30 @@ def _base(settings: Settings, client_id: str) -> dict[str, Any]:
             f"kafka_options may not set {', '.join(owned)}: kvstream sets "
             "these itself (use `bootstrap` for the servers)"
         )
+    if settings.kafka_options:
+        check_kafka_options(tuple(sorted(settings.kafka_options.items())))
     return {"bootstrap.servers": resolve_bootstrap(settings), "client.id": client_id, "logger": _CLIENT_LOG}
+
+
+@functools.cache
+def check_kafka_options(options: tuple[tuple[str, str], ...]) -> None:
+    """librdkafka's own verdict on the passthrough options (an unknown key, a value it
+    refuses), once per process: a KafkaConfigError that names the key, never a value
+    (it may be a password), instead of a failure deep in the first client made."""
+    import logging
+
+    from confluent_kafka import KafkaException, Producer
+
+    quiet = logging.getLogger("kvstream.kafka.options")
+    quiet.disabled = True  # librdkafka's warnings about consumer-only keys and no brokers
+    try:
+        Producer(dict(options), logger=quiet)
+    except KafkaException as exc:
+        message = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        for _, value in options:
+            if value:
+                message = message.replace(str(value), "***")
+        raise KafkaConfigError(f"kafka_options: {message}") from None
 
 
 def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:

@@ -88,14 +88,14 @@ def server_config(app: object, settings: Settings, limits: HttpLimits, on_reject
     r = settings.replica
     if (r.tls_certfile is None) != (r.tls_keyfile is None):
         raise click.ClickException("TLS needs both tls_certfile and tls_keyfile")
-    limits = replace(limits, max_connections=fit_connections(limits.max_connections))
+    limits = replace(limits, max_connections=fit_connections(limits.max_connections, limits.probe_connections))
     return uvicorn.Config(
         app, host=r.host, port=r.port, log_level="warning",
         # No access log: a line per request would cost more than a routing decision.
         access_log=False,
         http=guarded_protocol(limits, on_reject),
         # A second fence behind the protocol's own cap (which evicts before refusing).
-        limit_concurrency=limits.max_connections + 1,
+        limit_concurrency=limits.max_connections + limits.probe_connections + 1,
         timeout_keep_alive=5,
         ssl_certfile=str(r.tls_certfile) if r.tls_certfile else None,
         ssl_keyfile=str(r.tls_keyfile) if r.tls_keyfile else None,

@@ -21,6 +21,14 @@ class ReplicaMetrics:
         self.consume_errors = Counter("kvstream_consume_errors", "Consumer errors", registry=r)
         self.produce_failures = Counter("kvstream_produce_failures", "Failed deliveries (DLQ, control, active)", registry=r)
         self.resync_requests = Counter("kvstream_resync_requests", "Resync requests published", registry=r)
+        self.replica_id_conflicts = Counter(
+            "kvstream_replica_id_conflicts",
+            "Load ops of another running replica that carries this replica's id (ids must be unique)", registry=r,
+        )
+        self.resyncs_healed = Counter(
+            "kvstream_resyncs_healed",
+            "Resyncs the log's history asked for that a later epoch had already healed (not requested)", registry=r,
+        )
         self.commit_failures = Counter(
             "kvstream_position_commit_failures", "Failed commits of read positions to the replica's group", registry=r
         )

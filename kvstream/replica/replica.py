@@ -44,6 +44,7 @@ from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
+from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.authority import authority_from_settings
@@ -52,7 +53,7 @@ from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.request_ids import scoped
-from kvstream.replica.snapshot import SnapshotStore, open_store
+from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.supervisor import RestartPolicy, Supervisor
 from kvstream.replica.record import Record, read_record
@@ -74,6 +75,8 @@ _SOURCE_HEADER = "kvstream-source"
 CONNECT_TIMEOUT_S = 10.0
 #: On a DLQ record that references a too-large original instead of copying it.
 _REF_HEADER = "kvstream-dlq-reference"
+#: On a load op: which running instance of a replica id sent it ("<start ms>:<uuid>").
+_INSTANCE_HEADER = "kvstream-instance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,9 @@ class Replica:
         self.settings = settings
         self.options = options or ReplicaOptions()
         self.replica_id = self.options.replica_id
+        #: This process's instance of ``replica_id``: (start, random) orders two of them.
+        self._instance = (int(time.time() * 1000), uuid.uuid4().hex)
+        self._instance_tag = f"{self._instance[0]}:{self._instance[1]}".encode()
         self.router = Router(router_config, clock=clock)
         self.codec = AvroCodec()
         self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
@@ -177,6 +183,11 @@ class Replica:
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
+        #: Each partition's end offset when the replica started: resyncs the fold asks
+        #: for below it are history, requested after catch-up only if still unhealed.
+        self._history_end: dict[int, int] = {}
+        #: worker id → (epoch the fold held when history asked for its resync, why).
+        self._deferred_resync: dict[int, tuple[int, str]] = {}
         self._ticker = Ticker(self.replica_id, self.options.tick_interval_s, self._produce_tick, TickCodec(self.codec))
         self.topic_id: str | None = None
         self.partition_count = 0
@@ -299,7 +310,7 @@ class Replica:
                 f"topic {self.events_topic} is missing (create it with `kvstream topics create`)"
             )
         self.partition_count = len(tmd.partitions)
-        self.topic_id = _topic_id(admin, self.events_topic)
+        self.topic_id = topic_id(self.settings, self.events_topic)
         loaded = None
         if self._store_note is not None:
             self.metrics.snapshot_fallbacks.labels(skipped="store").inc()
@@ -314,11 +325,16 @@ class Replica:
             if loaded is None and skipped:
                 self.metrics.snapshot_fallbacks.labels(skipped="all").inc()
                 self._note("no snapshot generation is usable: full replay")
+            if loaded is not None and (foreign := self._foreign_snapshot(loaded[0])) is not None:
+                self.metrics.snapshot_fallbacks.labels(skipped="foreign").inc()
+                self._note(f"snapshot refused: {foreign}: full replay")
+                loaded = None
         # Watermarks come from a consumer that never fetches: on the fetching one, each
         # query waits behind a long-poll fetch and stalls ingest.
         self._watermarks = Consumer(consumer_config(self.settings))
         bounds = self._bounds(timeout=30)
         offsets = {p: low for p, (low, _) in bounds.items()}
+        self._history_end = {p: high for p, (_, high) in bounds.items()}
         if loaded is None:
             if any(low > 0 for low, _ in bounds.values()):
                 # Retention already dropped the start of the log: only resync can tell
@@ -352,6 +368,13 @@ class Replica:
         self._restored = meta
         self.metrics.snapshot_loaded_blocks.set(meta.blocks())
         return offsets
+
+    def _foreign_snapshot(self, meta: SnapshotMeta) -> str | None:
+        """Why a snapshot was written for another topic (None: it is this one's). The
+        same name with another id is this topic recreated, which recovery handles."""
+        if meta.topic != self.events_topic:
+            return f"it was written for topic {meta.topic}, not {self.events_topic}"
+        return None
 
     def _bounds(self, timeout: float) -> dict[int, tuple[int, int]]:
         """(earliest, end) offset of every partition; retried while a new topic's
@@ -481,7 +504,7 @@ class Replica:
             if out.dlq_reason is not None:
                 self._to_dlq(m, out.dlq_reason, by_reference=record.problem is not None)
             for wid in out.resync:
-                self._request_resync(wid, "event id gap or epoch without cleared")
+                self._fold_resync(m.partition(), m.offset(), wid, out.dlq_reason)
         self.metrics.events_applied.inc(m_applied)
         self.metrics.records.inc(records)
         if self.snapshotter is not None and records:
@@ -527,7 +550,38 @@ class Replica:
             self.metrics.produce_failures.inc()
             log.error("produce failed", error=str(err))
 
-    def _request_resync(self, worker_id: int | None, reason: str) -> None:
+    def _fold_resync(self, partition: int, offset: int, wid: int, why: str | None) -> None:
+        """The fold asks ``wid`` to resync (a gap, an id conflict, a stale or moved
+        epoch). Read from the log's history (before the end the replica started at), it
+        may have healed long ago: deferred until the replica has caught up, and sent
+        only if the worker has started no newer epoch since (:meth:`_flush_deferred`)."""
+        held = self.fold.workers.get(wid)
+        reason = (why or "event id gap or epoch without cleared").split(";")[0]
+        if offset + 1 < self._history_end.get(partition, 0):
+            if held is not None:
+                self._deferred_resync[wid] = (held.epoch, reason)
+            return
+        self._request_resync(wid, reason, None if held is None else held.epoch)
+
+    def _flush_deferred(self) -> None:
+        """Once caught up with the end the replica started at: request the resyncs that
+        history asked for and the log has not healed (the worker is still at the epoch
+        it had then); drop the rest."""
+        if not self._deferred_resync:
+            return
+        at = self.positions()
+        if any(at.get(p, 0) < end for p, end in self._history_end.items()):
+            return
+        with self.lock:
+            deferred, self._deferred_resync = self._deferred_resync, {}
+            for wid, (epoch, reason) in deferred.items():
+                held = self.fold.workers.get(wid)
+                if held is not None and held.epoch <= epoch:
+                    self._request_resync(wid, f"{reason} (still unhealed on the log)", held.epoch)
+                else:
+                    self.metrics.resyncs_healed.inc()
+
+    def _request_resync(self, worker_id: int | None, reason: str, above_epoch: int | None = None) -> None:
         now = time.monotonic()
         last = self._last_resync.get(worker_id)
         if last is not None and now - last < self.options.resync_min_interval_s:
@@ -537,12 +591,14 @@ class Replica:
         wid = None if worker_id is None else (worker_id - (1 << 64) if worker_id >= 1 << 63 else worker_id)
         value = self.codec.encode(
             RESYNC_REQUEST,
-            {"worker_id": wid, "requester": self.replica_id, "reason": reason,
-             "requested_at_ms": int(time.time() * 1000)},
+            {"worker_id": wid, "requester": self.replica_id, "reason": reason[:500],
+             "requested_at_ms": int(time.time() * 1000),
+             "above_epoch": None if above_epoch is None else (above_epoch - (1 << 64) if above_epoch >= 1 << 63 else above_epoch)},
         )
         self._produce("resync", self.settings.topics.name("control"), value=value)
 
     def _housekeeping(self) -> None:
+        self._flush_deferred()
         with self.lock:
             self._ticker.step(self.fold)
         self._positions.step(self.positions)
@@ -676,11 +732,11 @@ class Replica:
                 for m in consumer.consume(500, 0.1):
                     if m.error() is not None:
                         continue
-                    self._apply_peer_op(m.value())
+                    self._apply_peer_op(m.value(), m.headers(), m.timestamp()[1])
         finally:
             consumer.close()
 
-    def _apply_peer_op(self, value: bytes | None) -> None:
+    def _apply_peer_op(self, value: bytes | None, headers: list | None = None, timestamp_ms: int = 0) -> None:
         try:
             if value is None:
                 raise DecodeError("active op record has no value")
@@ -690,6 +746,7 @@ class Replica:
             log.warning("bad active op", error=str(exc))
             return
         if replica_id == self.replica_id:
+            self._own_id_op(headers, timestamp_ms)
             return
         with self.lock:
             try:
@@ -698,11 +755,30 @@ class Replica:
             except RouterError as exc:  # e.g. free of a request that already expired here
                 self.metrics.active_errors.labels(reason=type(exc).__name__).inc()
 
+    def _own_id_op(self, headers: list | None, timestamp_ms: int) -> None:
+        """A load op under this replica's id: ours, an earlier incarnation's (before this
+        one started), or another replica's given the same id, which would silently stop
+        the two sharing load. Of two such instances the one that started later gives up
+        (``kvstream router`` exits non-zero with the reason); the other counts it."""
+        tag = dict(headers or ()).get(_INSTANCE_HEADER)
+        if tag == self._instance_tag or timestamp_ms < self._instance[0] or self.supervisor.fatal is not None:
+            return
+        self.metrics.replica_id_conflicts.inc()
+        start, _, nonce = (tag or b"0:").decode(errors="replace").partition(":")
+        other = (int(start) if start.isdigit() else 0, nonce)
+        reason = (f"another running replica uses replica_id {self.replica_id!r} (instance {other[0]}:{other[1]}): "
+                  "every replica needs its own")
+        if other < self._instance:
+            self.supervisor.give_up(reason)
+        else:
+            log.error("replica id conflict: the other instance started later and gives up", reason=reason)
+
     def _share(self, op: ActiveOp) -> None:
         self.metrics.active_ops.labels(source="local").inc()
         self._produce(
             "active", self.settings.topics.name("active"),
             value=self.active_codec.encode(self.replica_id, op), key=op.request_id.encode(),
+            headers=[(_INSTANCE_HEADER, self._instance_tag)],
         )
 
     # -- requests --------------------------------------------------------------------
@@ -743,15 +819,3 @@ class Replica:
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
-
-def _topic_id(admin: AdminClient, topic: str) -> str | None:
-    """The topic's id (changes when a topic is deleted and recreated)."""
-    from confluent_kafka import TopicCollection
-
-    try:
-        futures = admin.describe_topics(TopicCollection([topic]), request_timeout=30)
-        desc = futures[topic].result()
-    except KafkaException:
-        return None
-    tid = getattr(desc, "topic_id", None)
-    return str(tid) if tid is not None else None

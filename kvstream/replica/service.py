@@ -30,6 +30,7 @@ import msgspec
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -141,7 +142,8 @@ def create_app(
 
     app = FastAPI(
         title="kvstream replica", version="1", lifespan=lifespan,
-        docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+        # /docs and /openapi.json, when asked for, are operator endpoints (below).
+        docs_url=None, redoc_url=None, openapi_url=None,
         # The replica reports by Prometheus metrics and its own logs; FastAPI's OpenTelemetry
         # hooks would look for a provider on every request (a tenth of a route's cost).
         telemetry={"tracing": False, "metrics": False, "logs": False},
@@ -254,6 +256,14 @@ def create_app(
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
     if docs:
         app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=needs(Scope.OPERATOR))
+        def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=needs(Scope.OPERATOR))
+        def swagger() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API")
 
     @app.post("/v1/requests/{request_id}/prefill_done", dependencies=needs(Scope.CLIENT))
     def prefill_done(request_id: RequestId) -> dict[str, str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import EventBatch, Tier
+from kvstream.kafka.topics import topic_id
 from kvstream.replica.cli import router_config
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import SnapshotError
@@ -67,6 +68,9 @@ class Rebuilt:
     records: int
     partition_count: int
     topic: str
+    #: The topic's id (recorded in a written snapshot, so that a replica of another
+    #: topic, or of this one recreated, tells it apart).
+    topic_id: str | None = None
     notes: list[str] = field(default_factory=list)
     #: (worker id, log time ms) of the workers that expired in the folded records.
     removals: list[tuple[int, int]] = field(default_factory=list)
@@ -82,7 +86,7 @@ def open_store(path: Path) -> SnapshotStore:
 
 
 def _usable_snapshot(
-    store: SnapshotStore, reader: LogReader, end: dict[int, int], notes: list[str]
+    store: SnapshotStore, reader: LogReader, tid: str | None, end: dict[int, int], notes: list[str]
 ) -> tuple[SnapshotMeta, dict[int, bytes]] | None:
     """The newest generation whose every partition stops within the prefix of T."""
     head = store.head()
@@ -100,6 +104,9 @@ def _usable_snapshot(
         readable += 1
         if meta.topic != reader.topic:
             notes.append(f"snapshot generation {gen} is of topic {meta.topic}, not {reader.topic}")
+            continue
+        if meta.topic_id and tid and meta.topic_id != tid:
+            notes.append(f"snapshot generation {gen} is of topic id {meta.topic_id}, not {tid} (recreated)")
             continue
         late = [
             p for p, pm in meta.partitions.items()
@@ -130,13 +137,14 @@ def rebuild_at(
         end = reader.offsets_after(at_ms)
         notes: list[str] = []
         removals: list[tuple[int, int]] = []
+        tid = topic_id(settings, reader.topic, timeout=reader.timeout)
         fold = new_fold(settings, at_ms / 1000, decode, removals)
         start = {p: 0 for p in reader.partitions}
         source = "start of the log"
         if snapshot_dir is not None:
             store = open_store(snapshot_dir)
             try:
-                picked = _usable_snapshot(store, reader, end, notes)
+                picked = _usable_snapshot(store, reader, tid, end, notes)
             finally:
                 store.close()
             if picked is not None:
@@ -165,7 +173,7 @@ def rebuild_at(
                 fold.restore_partition(p, e, part.log_time_ms if part else 0)
         if source != "start of the log":
             notes.append("worker expiries before the snapshot are not replayed among the active ops")
-        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, notes, removals)
+        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, tid, notes, removals)
 
 
 def summary(fold: LogFold) -> list[dict[str, Any]]:
@@ -198,7 +206,7 @@ def write_snapshot(rebuilt: Rebuilt, path: Path) -> int:
     try:
         if store.head() is not None:
             raise SourceError(f"{path} already holds snapshots: write into a new directory")
-        snap = Snapshotter(store, rebuilt.fold, rebuilt.topic, None, rebuilt.partition_count, 0, 0)
+        snap = Snapshotter(store, rebuilt.fold, rebuilt.topic, rebuilt.topic_id, rebuilt.partition_count, 0, 0)
         try:
             return snap.snapshot_now()
         finally:
