@@ -66,6 +66,12 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 )
 @click.option("--checkpoint-s", type=click.FloatRange(0.1), help="With --state-dir: checkpoint period. [settings: worker.checkpoint_s, default 10]")
 @click.option(
+    "--offload-blocks-per-chunk",
+    type=click.IntRange(1),
+    help="vLLM: the offloading connector's blocks_per_chunk, when its KV events are not self-describing "
+    "(each offload event then names a chunk by its last block). [settings: worker.offload_blocks_per_chunk, default 1]",
+)
+@click.option(
     "--engine-url",
     help="The engine's OpenAI-compatible base URL (http://host:port, no /v1), registered on "
     "kvstream.workers so that router replicas (the gateway) can send it requests. Without it "
@@ -104,6 +110,7 @@ def worker(
     block_size: int | None,
     state_dir: Path | None,
     checkpoint_s: float | None,
+    offload_blocks_per_chunk: int | None,
     engine_url: str | None,
     models: tuple[str, ...],
     loras: tuple[str, ...],
@@ -158,6 +165,7 @@ def worker(
         "metrics_port": metrics_port,
         "state_dir": str(state_dir) if state_dir is not None else None,
         "checkpoint_s": checkpoint_s,
+        "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
@@ -194,6 +202,7 @@ def worker(
             topic=topic.encode(),
             flavour=Flavour.AUTO if engine == "zmq" else Flavour(engine),
             block_size=block_size or settings.router.block_size,
+            offload_blocks_per_chunk=ws.offload_blocks_per_chunk,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
