@@ -50,9 +50,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
 from kvstream.gateway.seams import PromptTokenizer, WorkerDirectory
@@ -80,21 +80,11 @@ class ModelTokenizerConfig(BaseModel):
     name: str = Field(min_length=1)
     #: A directory holding ``tokenizer.json`` (and ``tokenizer_config.json``), or a
     #: ``tokenizer.json`` file (then no chat template unless ``chat_template`` is set).
-    tokenizer: Path | None = None
+    tokenizer: Path
     #: A jinja chat template file, instead of the one in ``tokenizer_config.json``.
     chat_template: Path | None = None
     #: Bytes of token ids and text the prefix cache may hold; 0: no cache.
     prefix_cache_bytes: int = Field(DEFAULT_CACHE_BYTES, ge=0)
-    #: ``local``: the files above; ``engine``: ask one worker of the model (``/tokenize``).
-    tokenize: Literal["local", "engine"] = "local"
-    #: ``engine``: how long a worker may take to answer (s).
-    engine_timeout_s: float = Field(10.0, gt=0)
-
-    @model_validator(mode="after")
-    def _source(self) -> ModelTokenizerConfig:
-        if self.tokenize == "local" and self.tokenizer is None:
-            raise ValueError(f"model {self.name}: tokenize = 'local' needs tokenizer (a directory or tokenizer.json)")
-        return self
 
 
 def validate_ids(prompt: Sequence[Any]) -> list[int]:
@@ -156,8 +146,6 @@ def load(cfg: ModelTokenizerConfig) -> LoadedTokenizer:
     """Read a model's tokenizer files; TokenizerConfigError says which file is wrong."""
     import tokenizers
 
-    if cfg.tokenizer is None:
-        raise TokenizerConfigError(f"model {cfg.name}: no tokenizer file or directory configured")
     path = Path(cfg.tokenizer)
     if path.is_dir():
         tok_file, conf_file, jinja_file = path / "tokenizer.json", path / "tokenizer_config.json", path / "chat_template.jinja"
@@ -683,17 +671,12 @@ class EngineTokenizer(PromptTokenizer):
         self._client.close()
 
 
-def prompt_tokenizers(
-    models: Sequence[ModelTokenizerConfig], directory: WorkerDirectory
-) -> dict[str, PromptTokenizer]:
+def local_tokenizers(models: Sequence[ModelTokenizerConfig]) -> dict[str, LocalTokenizer]:
     """Each configured model's tokenizer, by model name (files are read now: a bad one
     fails the start, with TokenizerConfigError)."""
-    out: dict[str, PromptTokenizer] = {}
+    out: dict[str, LocalTokenizer] = {}
     for cfg in models:
         if cfg.name in out:
             raise TokenizerConfigError(f"model {cfg.name} is configured twice in [[gateway.models]]")
-        out[cfg.name] = (
-            EngineTokenizer(directory, cfg.name, timeout_s=cfg.engine_timeout_s)
-            if cfg.tokenize == "engine" else LocalTokenizer.from_config(cfg)
-        )
+        out[cfg.name] = LocalTokenizer.from_config(cfg)
     return out

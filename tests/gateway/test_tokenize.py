@@ -25,9 +25,11 @@ from kvstream.gateway.tokenize import (
     LocalTokenizer,
     ModelTokenizerConfig,
     PrefixCache,
-    prompt_tokenizers,
+    local_tokenizers,
 )
 from kvstream.settings import load_settings
+
+from .tokenizer_fixtures import deepseek_tokenizer_json, model_dir  # noqa: F401 (fixtures)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers reads the local directory only
 
@@ -213,14 +215,13 @@ def test_models_are_configured_in_toml(tmp_path: Path, model_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown"):
         load_settings(config)
     config.write_text('[[gateway.models]]\nname = "ds"\n')
-    with pytest.raises(ValueError, match="needs tokenizer"):
+    with pytest.raises(ValueError, match="tokenizer"):
         load_settings(config)
-    config.write_text(f'[[gateway.models]]\nname = "ds"\ntokenizer = "{model_dir}"\n'
-                      '[[gateway.models]]\nname = "big"\ntokenize = "engine"\n')
-    made = prompt_tokenizers(load_settings(config).gateway.models, WorkerRegistry())
-    assert isinstance(made["ds"], LocalTokenizer) and isinstance(made["big"], EngineTokenizer)
+    config.write_text(f'[[gateway.models]]\nname = "ds"\ntokenizer = "{model_dir}"\n')
+    made = local_tokenizers(load_settings(config).gateway.models)
+    assert made["ds"].completion_ids("hi") == made["ds"].fresh_ids("hi")
     with pytest.raises(TokenizerConfigError, match="twice"):
-        prompt_tokenizers(load_settings(config).gateway.models * 2, WorkerRegistry())
+        local_tokenizers(load_settings(config).gateway.models * 2)
 
 
 # -- the prefix cache -----------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Fixtures of the gateway tests: a real tokenizer from a PyPI wheel (never a hub
-download) and a model directory around it with a chat template of our own.
+"""Fixtures of the tokenizer tests (imported by them; not a conftest, so that it sits
+beside the relay's): a real tokenizer from a PyPI wheel (never a hub download) and a
+model directory around it with a chat template of our own.
 
 The tokenizer is the MIT-licensed DeepSeek ``tokenizer.json`` shipped inside ``litellm``'s
 wheel. It is fetched with ``pip download --no-deps`` once and cached under
