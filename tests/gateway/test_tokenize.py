@@ -20,13 +20,8 @@ from hypothesis import strategies as st
 
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
 from kvstream.gateway.registry import Registration, RegistrationCodec, WorkerRegistry, worker_key
-from kvstream.gateway.tokenize import (
-    EngineTokenizer,
-    LocalTokenizer,
-    ModelTokenizerConfig,
-    PrefixCache,
-    local_tokenizers,
-)
+from kvstream.gateway.prefix_cache import PrefixCache
+from kvstream.gateway.tokenize import EngineTokenizer, LocalTokenizer, ModelTokenizerConfig, local_tokenizers
 from kvstream.settings import load_settings
 
 from .tokenizer_fixtures import deepseek_tokenizer_json, model_dir  # noqa: F401 (fixtures)
