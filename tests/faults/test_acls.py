@@ -7,6 +7,7 @@ only (an operator, ``kvstream replay``) reads, but cannot write a single record.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import shutil
 import signal
@@ -98,6 +99,7 @@ def _produce(port: int, user: str, idempotent: bool) -> KafkaError | None:
     return errors[0] if errors else KafkaError(KafkaError._TIMED_OUT)
 
 
+@functools.cache
 def kafka_classpath() -> str:
     """The broker's and Kafka's tools' jars, fetched by the test set-up (ops/env.sh runs
     ``broker.sh fetch-tools``) or now: this test never depends on what ran before it."""

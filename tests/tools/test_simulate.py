@@ -52,12 +52,13 @@ def test_mooncake_trace_is_read_with_speed_and_limit(tmp_path: Path) -> None:
 def test_tokens_per_id_and_bailian_fields(tmp_path: Path) -> None:
     """Alibaba's Bailian (Qwen) traces: 16 tokens per id, sessions by chat ids."""
     p = _write(tmp_path / "qwen.jsonl", [
-        {"chat_id": 0, "parent_chat_id": -1, "timestamp": 0, "input_length": 40, "output_length": 3,
+        {"chat_id": 0, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, "output_length": 3,
          "type": "text", "turn": 1, "hash_ids": [5, 6, 7]},
-        {"chat_id": 1, "parent_chat_id": 0, "timestamp": 10, "input_length": 48, "output_length": 3,
+        {"chat_id": 1, "parent_chat_id": 0, "timestamp": 2.25, "input_length": 48, "output_length": 3,
          "type": "text", "turn": 2, "hash_ids": [5, 6, 8]},
     ])
     reqs = read_mooncake(p, TraceOptions(tokens_per_id=16))
+    assert [r.arrival_ms for r in reqs] == [500.0, 2250.0]  # Bailian stamps in seconds
     assert reqs[0].tokens() == [5] * 16 + [6] * 16 + [7] * 8
     assert reqs[1].tokens()[:32] == reqs[0].tokens()[:32] and len(reqs[1].tokens()) == 48
     with pytest.raises(TraceError, match=r"qwen.jsonl:1: 3 hash ids, but input_length 40 at 512 tokens per id needs 1"):

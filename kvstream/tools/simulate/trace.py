@@ -2,8 +2,9 @@
 
 One JSON object a line: ``timestamp`` (ms), ``input_length``, ``output_length`` and
 ``hash_ids``, one id per ``tokens_per_id`` tokens of the prompt (512 in the Mooncake
-traces; Alibaba's Bailian (Qwen) traces use 16, and add ``chat_id``, ``parent_chat_id``
-and ``turn``, which are checked and otherwise unused). Tokens follow the
+traces). Alibaba's Bailian (Qwen) traces use 16 tokens per id, stamp requests in
+seconds (a float) and add ``chat_id``, ``parent_chat_id`` and ``turn`` (checked,
+otherwise unused): a line with a ``chat_id`` is read as one of theirs. Tokens follow the
 common replay convention: block ``j`` is the token ``hash_ids[j]`` (a u32) repeated
 ``tokens_per_id`` times, cut to ``input_length``; the engine then splits them into its
 own blocks.
@@ -72,6 +73,15 @@ def _field_int(record: dict[str, object], name: str, where: str) -> int:
     return value
 
 
+def _arrival_ms(record: dict[str, object], where: str) -> float:
+    if "chat_id" not in record:
+        return _field_int(record, "timestamp", where)
+    value = record.get("timestamp")  # Bailian: seconds
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise TraceError(f"{where}: 'timestamp' must be a number of seconds >= 0, got {value!r}")
+    return value * 1000.0
+
+
 def read_mooncake(path: str | Path, options: TraceOptions | None = None) -> list[Request]:
     """The requests of a Mooncake trace, in arrival order (validated: a bad line is an
     error naming the line, never skipped)."""
@@ -99,7 +109,7 @@ def _iter_mooncake(path: Path, options: TraceOptions) -> Iterator[Request]:
                 raise TraceError(f"{where}: not JSON ({exc.msg})") from None
             if not isinstance(record, dict):
                 raise TraceError(f"{where}: a line must be a JSON object")
-            ts = _field_int(record, "timestamp", where)
+            ts = _arrival_ms(record, where)
             if ts < last_ts:
                 raise TraceError(f"{where}: timestamp {ts} goes back in time (previous {last_ts})")
             last_ts = ts
