@@ -21,6 +21,13 @@ clock, so that two replicas (or a replay) that read the same records agree exact
   the worker to resync). The winner is the greatest incarnation whatever order the
   partitions are read in, so live replicas, fresh ones and replay agree after
   partitions are added (docs/RELIABILITY.md, "Topology changes").
+
+The common record — a batch of a known incarnation on its partition, each event the
+next of its rank, within the authority's limits — takes a compiled path when ``decode``
+is an :class:`~kvstream.events.codec.EventCodec`'s: the codec's reader leaves the hashes
+packed in the record and the index applies them from there (no model objects). It makes
+exactly the decisions of the general path, which every other record takes (kvstream
+bench ingest; the fold's tests run both).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
 from kvstream.logs import get_logger
@@ -72,6 +80,8 @@ BAD_HEADER = "record_bad_header"
 FOLD_SLICE = 16
 
 _T = TypeVar("_T")
+# Kind codes of the codec's packed events.
+_STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, Cleared))
 
 
 def fold_in_slices(
@@ -135,6 +145,10 @@ class LogFold:
     ) -> None:
         self.router = router
         self._decode = decode
+        codec = getattr(decode, "__self__", None)
+        self._read_packed: Callable[[bytes], PackedBatch | None] | None = (
+            codec.packed_reader if isinstance(codec, EventCodec) else None
+        )
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
         self.workers: dict[int, WorkerLog] = {}
@@ -190,6 +204,16 @@ class LogFold:
         if is_tick:
             self._expire(partition, part.log_time_ms)
             return Outcome()
+        if self._read_packed is not None and value is not None:
+            try:
+                outcome = self._apply_packed(partition, timestamp_ms, key, value)
+            except MemoryError:
+                raise
+            except Exception as exc:
+                outcome = self._fold_error(partition, offset, exc)
+            if outcome is not None:
+                self._expire(partition, part.log_time_ms)
+                return outcome
         try:
             if value is None:
                 raise DecodeError("record has no value")
@@ -207,11 +231,68 @@ class LogFold:
             except MemoryError:
                 raise  # not a property of the record: the replica cannot go on
             except Exception as exc:
-                _log.exception("fold failed on a record", partition=partition, offset=offset)
-                self.counters[FOLD_ERROR] += 1
-                outcome = Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
+                outcome = self._fold_error(partition, offset, exc)
         self._expire(partition, part.log_time_ms)
         return outcome
+
+    def _fold_error(self, partition: int, offset: int, exc: Exception) -> Outcome:
+        _log.exception("fold failed on a record", partition=partition, offset=offset)
+        self.counters[FOLD_ERROR] += 1
+        return Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
+
+    def _apply_packed(self, partition: int, ts: int, key: bytes | None, value: bytes) -> Outcome | None:
+        """The compiled path: the outcome of the common record, or None (nothing done)
+        for any other, which :meth:`_apply_batch` then takes. Everything that decides
+        is checked before anything changes, so the two paths decide alike."""
+        packed = self._read_packed(value)  # type: ignore[misc]
+        if packed is None:
+            return None
+        wid, epoch, lease_ms, events = packed
+        log = self.workers.get(wid)
+        if log is None or log.epoch != epoch or log.partition != partition:
+            return None
+        if self.authority.check_head(key, ts, wid, epoch, lease_ms) is not None:
+            return None
+        index = self.router.index
+        held = index.worker_blocks(wid)
+        last_ids = log.last_ids
+        check_blocks = self.authority.check_blocks
+        # Each event the next id of its rank (or its rank's first), within the limits
+        # even if every store before it in the batch is accepted (an upper bound of held).
+        ids: dict[int, int] = {}
+        for kind, rank, _, eid, _, _, _, n, _ in events:
+            last = ids.get(rank, last_ids.get(rank))
+            if last is not None and eid != last + 1:
+                return None
+            ids[rank] = eid
+            if kind != _CLEARED:
+                stored = kind == _STORED
+                if check_blocks(stored, n, held) is not None:
+                    return None
+                if stored:
+                    held += n
+        self.dirty.add(wid)
+        log.lease_ms = lease_ms
+        if ts > log.last_seen_ms:
+            log.last_seen_ms = ts
+        known = index.knows(wid)
+        announced = False
+        applied = 0
+        rejected: list[str] = []
+        apply = index.apply_packed
+        last_digest = log.last_digest
+        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
+            last_ids[rank] = eid
+            last_digest[rank] = digest  # hash() of the model event, as the general path keeps
+            reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, value, blocks_at, tokens_at, n)
+            if reason is None:
+                applied += 1
+                announced = announced or kind != _REMOVED
+            else:
+                rejected.append(f"event {i} (id {eid}): {reason}")
+        if not known and not announced and index.knows(wid):
+            index.remove_worker(wid)  # as in _apply_batch
+        return Outcome(dlq_reason="; ".join(rejected) if rejected else None, applied_events=applied)
 
     def _apply_batch(self, partition: int, ts: int, batch: EventBatch) -> Outcome:
         wid = batch.worker_id
