@@ -75,9 +75,15 @@ FOLD_ERROR = "record_fold_error"
 BAD_HEADER = "record_bad_header"
 
 
-#: Records folded per hold of the router lock: a catch-up consume (2,000 records at
-#: ~70 µs) folded in one piece would stall every route for ~140 ms.
+#: Records folded between two looks at the clock while the ingest thread holds the
+#: router lock.
 FOLD_SLICE = 16
+#: How long the ingest thread holds the router lock at most before routes get their
+#: turn: a catch-up consume (2,000 records) folded in one hold would stall every route
+#: for as long as it takes. ~1 ms is what a slice of 16 records at ~70 µs took before
+#: the fold's compiled path; giving the GIL up after every 16 records at ~5 µs each
+#: would cost more than the records (time.sleep(0) measured ~85 µs here).
+FOLD_HOLD_S = 0.001
 
 _T = TypeVar("_T")
 # Kind codes of the codec's packed events.
@@ -85,19 +91,31 @@ _STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, 
 
 
 def fold_in_slices(
-    lock: AbstractContextManager[Any], records: Sequence[_T], apply: Callable[[Sequence[_T]], None], size: int = FOLD_SLICE
+    lock: AbstractContextManager[Any],
+    records: Sequence[_T],
+    apply: Callable[[Sequence[_T]], None],
+    size: int = FOLD_SLICE,
+    hold_s: float = FOLD_HOLD_S,
 ) -> None:
-    """``apply`` consecutive slices of ``records`` of at most ``size``, each under one
-    hold of ``lock``. The GIL is given up between slices, so that a route thread woken
-    by the release takes the lock before this thread takes it again; not after the last
-    one (a thread that folds a few records per wake-up would otherwise queue behind
-    every route for a GIL switch interval, and fall behind a busy router)."""
+    """``apply`` consecutive slices of ``records`` of at most ``size``, under holds of
+    ``lock`` of at most about ``hold_s`` (and one slice) each. The GIL is given up
+    between holds, so that a route thread woken by the release takes the lock before
+    this thread takes it again; not after the last one (a thread that folds a few
+    records per wake-up would otherwise queue behind every route for a GIL switch
+    interval, and fall behind a busy router)."""
     step = max(1, size)
-    for i in range(0, len(records), step):
+    clock = time.perf_counter
+    i, n = 0, len(records)
+    while i < n:
         if i:
             time.sleep(0)
         with lock:
-            apply(records[i : i + step])
+            until = clock() + hold_s
+            while True:
+                apply(records[i : i + step])
+                i += step
+                if i >= n or clock() >= until:
+                    break
 
 
 @dataclass(slots=True)
@@ -128,6 +146,10 @@ class Outcome:
     dlq_reason: str | None = None
     resync: tuple[int, ...] = ()
     applied_events: int = 0
+
+
+#: Outcomes of records applied whole (shared: an Outcome is immutable).
+_APPLIED = tuple(Outcome(applied_events=n) for n in range(64))
 
 
 @dataclass(slots=True)
@@ -254,7 +276,7 @@ class LogFold:
         if self.authority.check_head(key, ts, wid, epoch, lease_ms) is not None:
             return None
         index = self.router.index
-        held = index.worker_blocks(wid)
+        held = -1  # counted at the first stored event
         last_ids = log.last_ids
         check_blocks = self.authority.check_blocks
         # Each event the next id of its rank (or its rank's first), within the limits
@@ -265,12 +287,14 @@ class LogFold:
             if last is not None and eid != last + 1:
                 return None
             ids[rank] = eid
-            if kind != _CLEARED:
-                stored = kind == _STORED
-                if check_blocks(stored, n, held) is not None:
+            if kind == _STORED:
+                if held < 0:
+                    held = index.worker_blocks(wid)
+                if check_blocks(True, n, held) is not None:
                     return None
-                if stored:
-                    held += n
+                held += n
+            elif kind == _REMOVED and check_blocks(False, n, 0) is not None:
+                return None
         self.dirty.add(wid)
         log.lease_ms = lease_ms
         if ts > log.last_seen_ms:
@@ -292,7 +316,9 @@ class LogFold:
                 rejected.append(f"event {i} (id {eid}): {reason}")
         if not known and not announced and index.knows(wid):
             index.remove_worker(wid)  # as in _apply_batch
-        return Outcome(dlq_reason="; ".join(rejected) if rejected else None, applied_events=applied)
+        if rejected:
+            return Outcome(dlq_reason="; ".join(rejected), applied_events=applied)
+        return _APPLIED[applied] if applied < len(_APPLIED) else Outcome(applied_events=applied)
 
     def _apply_batch(self, partition: int, ts: int, batch: EventBatch) -> Outcome:
         wid = batch.worker_id

@@ -139,11 +139,11 @@ class TieredIndex:
 
     def worker_blocks(self, worker_id: int) -> int:
         """Blocks a worker holds over every rank and tier: O(its ranks)."""
-        ranks = self._ranks.get(worker_id)
-        if not ranks:
-            return 0
-        size = self._core.slot_size
-        return sum(size(self._slot_of[(worker_id, rank)]) for rank in ranks)
+        size, slot_of = self._core.slot_size, self._slot_of
+        total = 0
+        for rank in self._ranks.get(worker_id, ()):
+            total += size(slot_of[(worker_id, rank)])
+        return total
 
     def clear_worker(self, worker_id: int) -> None:
         """Drop every block of every rank of a worker, on every tier; it stays known."""
