@@ -238,3 +238,32 @@ impl EventBatchReader {
         Ok(Some((worker_id, epoch, lease_ms, PyTuple::new(py, items)?).into_pyobject(py)?))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CPython 3.11's values: hash(()), hash((1, 2)), hash((2**61 - 1, 2**64 - 1)).
+    #[test]
+    fn tuple_hash_is_cpythons() {
+        assert_eq!(TupleHash::new().finish() as i64, 5_740_354_900_026_072_187);
+        let mut h = TupleHash::new();
+        h.int(1);
+        h.int(2);
+        assert_eq!(h.finish() as i64, -3_550_055_125_485_641_917);
+        let mut packed = Vec::new();
+        packed.extend_from_slice(&((1u64 << 61) - 1).to_le_bytes());
+        packed.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(packed_hash(&packed) as i64, -5_903_513_032_161_352_639);
+    }
+
+    #[test]
+    fn lengths_past_the_input_are_not_taken() {
+        let mut r = Reader { data: &[0x70, 1, 2], pos: 0 }; // 56 bytes announced, 2 left
+        assert!(r.packed().is_none());
+        let mut r = Reader { data: &[0x10, 0, 0, 0, 0, 0, 0, 0, 0], pos: 0 }; // 8 bytes
+        assert_eq!(r.packed(), Some((1, 1)));
+        let mut r = Reader { data: &[0x80; 11], pos: 0 }; // a varint past 64 bits
+        assert!(r.long().is_none());
+    }
+}
