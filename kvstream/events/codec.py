@@ -24,8 +24,9 @@ faster than any strict decoder in Python (kvstream bench codec; docs/BENCHMARKS.
 the compiled ``kvstream._native.EventBatchReader``, which takes only what the generic
 path above decodes into a valid batch and answers None for anything else (which then
 goes the generic way, for the result or the exact error); tests/events check both agree
-on random valid and invalid bytes. It decodes a small batch ~3x faster, and it leaves the hashes packed
-for the fold (``EventCodec.packed_reader``; kvstream bench ingest).
+on random valid and invalid bytes. It decodes a small batch ~3x faster (building the
+model objects is most of what is left), and it can leave the hashes packed for the
+fold (``EventCodec.packed_reader``; kvstream bench ingest, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -241,7 +241,8 @@ class TieredIndex:
         as many tokens hashes at ``tokens_at`` for a stored event)."""
         slot = self._slot(worker_id, dp_rank)
         if kind is Stored:
-            reason = _STORE_OUTCOME[self._core.store_packed(_TIER_INDEX[tier], slot, parent_hash, data, blocks_at, tokens_at, count)]
+            outcome = self._core.store_packed(_TIER_INDEX[tier], slot, parent_hash, data, blocks_at, tokens_at, count)
+            reason = _STORE_OUTCOME[outcome]
             if reason is not None:
                 self.counters[reason] += 1
             return reason

@@ -58,7 +58,9 @@ def fleet_log(n_workers: int, n_records: int, blocks: int, seed: int) -> tuple[l
     rng = np.random.default_rng(seed)
     codec = EventCodec()
     workers = [1000 + i for i in range(n_workers)]
-    records = [(w, codec.encode(EventBatch(w, EPOCH, LEASE_MS, (Cleared(w, 0, Tier.DEVICE, EPOCH, 1),)))) for w in workers]
+    records = [
+        (w, codec.encode(EventBatch(w, EPOCH, LEASE_MS, (Cleared(w, 0, Tier.DEVICE, EPOCH, 1),)))) for w in workers
+    ]
     hashes = rng.integers(0, 2**64, (n_records, 2, blocks), dtype=np.uint64).tolist()
     stored = []
     for k in range(n_records):
