@@ -26,10 +26,11 @@ def test_fold_of_small_records_keeps_up_with_the_index() -> None:
             assert r[f"{key}_{b}"] > 0, key
         assert r[f"fold_block_events_per_s_{b}"] == pytest.approx(b * r[f"fold_records_per_s_{b}"], rel=0.01)
     # CPU time: what other processes' turns on a shared machine do not inflate. Before
-    # the compiled path a 1-block record cost ~20x its index apply (ratio ~0.04); now
-    # ~3.5x (~0.28). The bound leaves 2x for noise and fails on the old fold.
+    # the compiled path the fold of a 1-block record cost ~20x its index apply (ratio
+    # 0.04-0.05; 4 blocks: 0.10); now ~4x (0.22-0.28; 4 blocks: ~0.4). The bounds
+    # leave ~2x for noise either way.
     assert r["fold_cpu_ratio_to_baseline_1"] >= 0.12, r
-    assert r["fold_cpu_ratio_to_baseline_4"] >= 0.12, r
+    assert r["fold_cpu_ratio_to_baseline_4"] >= 0.2, r
 
 
 @pytest.mark.slow
