@@ -83,20 +83,24 @@ class LogAuthority:
 
     def check_batch(self, key: bytes | None, timestamp_ms: int, batch: EventBatch) -> Rejection | None:
         """Checks that need nothing but the record."""
-        wid = batch.worker_id
+        return self.check_head(key, timestamp_ms, batch.worker_id, batch.epoch, batch.lease_ms)
+
+    def check_head(self, key: bytes | None, timestamp_ms: int, wid: int, epoch: int, lease_ms: int) -> Rejection | None:
+        """:meth:`check_batch` of a batch given by its head (the fold's compiled path
+        reads no model batch)."""
         if self.check_key and key != worker_key(wid):
             got = "no key" if key is None else f"key {key.hex()}"
             return Rejection(KEY_MISMATCH, f"worker {wid} in a record with {got} (expected {worker_key(wid).hex()})")
         if self.allowed_workers is not None and wid not in self.allowed_workers:
             return Rejection(NOT_ALLOWED, f"worker {wid} is not on the allow-list")
-        if self.max_epoch_ahead_ms is not None and batch.epoch // _NS_PER_MS > timestamp_ms + self.max_epoch_ahead_ms:
+        if self.max_epoch_ahead_ms is not None and epoch // _NS_PER_MS > timestamp_ms + self.max_epoch_ahead_ms:
             return Rejection(
                 EPOCH_AHEAD,
-                f"epoch {batch.epoch} (as ns: {batch.epoch // _NS_PER_MS} ms) is more than "
+                f"epoch {epoch} (as ns: {epoch // _NS_PER_MS} ms) is more than "
                 f"{self.max_epoch_ahead_ms} ms ahead of the record's time {timestamp_ms} ms",
             )
-        if self.max_lease_ms is not None and batch.lease_ms > self.max_lease_ms:
-            return Rejection(LEASE_TOO_LONG, f"lease {batch.lease_ms} ms > {self.max_lease_ms} ms")
+        if self.max_lease_ms is not None and lease_ms > self.max_lease_ms:
+            return Rejection(LEASE_TOO_LONG, f"lease {lease_ms} ms > {self.max_lease_ms} ms")
         return None
 
     def check_event(self, ev: RouterEvent, held: int) -> Rejection | None:
@@ -104,10 +108,13 @@ class LogAuthority:
         bound will do: the fold counts exactly before it rejects for the worker limit)."""
         if type(ev) is Cleared:
             return None
-        n = len(ev.block_hashes)
+        return self.check_blocks(type(ev) is Stored, len(ev.block_hashes), held)
+
+    def check_blocks(self, stored: bool, n: int, held: int) -> Rejection | None:
+        """:meth:`check_event` of a stored (or removed) event of ``n`` blocks."""
         if self.max_blocks_per_event is not None and n > self.max_blocks_per_event:
             return Rejection(EVENT_TOO_LARGE, f"{n} blocks > {self.max_blocks_per_event} per event")
-        if self.max_blocks_per_worker is not None and type(ev) is Stored and held + n > self.max_blocks_per_worker:
+        if self.max_blocks_per_worker is not None and stored and held + n > self.max_blocks_per_worker:
             return Rejection(
                 WORKER_FULL, f"worker holds {held} blocks; {n} more exceed {self.max_blocks_per_worker}"
             )

@@ -21,6 +21,13 @@ clock, so that two replicas (or a replay) that read the same records agree exact
   the worker to resync). The winner is the greatest incarnation whatever order the
   partitions are read in, so live replicas, fresh ones and replay agree after
   partitions are added (docs/RELIABILITY.md, "Topology changes").
+
+The common record — a batch of a known incarnation on its partition, each event the
+next of its rank, within the authority's limits — takes a compiled path when ``decode``
+is an :class:`~kvstream.events.codec.EventCodec`'s: the codec's reader leaves the hashes
+packed in the record and the index applies them from there (no model objects). It makes
+exactly the decisions of the general path, which every other record takes (kvstream
+bench ingest; the fold's tests run both).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.logs import get_logger
@@ -69,27 +77,47 @@ FOLD_ERROR = "record_fold_error"
 BAD_HEADER = "record_bad_header"
 
 
-#: Records folded per hold of the router lock: a catch-up consume (2,000 records at
-#: ~70 µs) folded in one piece would stall every route for ~140 ms.
+#: Records folded between two looks at the clock while the ingest thread holds the
+#: router lock.
 FOLD_SLICE = 16
+#: How long the ingest thread holds the router lock at most before routes get their
+#: turn: a catch-up consume (2,000 records) folded in one hold would stall every route
+#: for as long as it takes. ~1 ms is what a slice of 16 records at ~70 µs took before
+#: the fold's compiled path; giving the GIL up after every 16 records at ~5 µs each
+#: would cost more than the records (time.sleep(0) measured ~85 µs here).
+FOLD_HOLD_S = 0.001
 
 _T = TypeVar("_T")
+# Kind codes of the codec's packed events.
+_STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, Cleared))
 
 
 def fold_in_slices(
-    lock: AbstractContextManager[Any], records: Sequence[_T], apply: Callable[[Sequence[_T]], None], size: int = FOLD_SLICE
+    lock: AbstractContextManager[Any],
+    records: Sequence[_T],
+    apply: Callable[[Sequence[_T]], None],
+    size: int = FOLD_SLICE,
+    hold_s: float = FOLD_HOLD_S,
 ) -> None:
-    """``apply`` consecutive slices of ``records`` of at most ``size``, each under one
-    hold of ``lock``. The GIL is given up between slices, so that a route thread woken
-    by the release takes the lock before this thread takes it again; not after the last
-    one (a thread that folds a few records per wake-up would otherwise queue behind
-    every route for a GIL switch interval, and fall behind a busy router)."""
+    """``apply`` consecutive slices of ``records`` of at most ``size``, under holds of
+    ``lock`` of at most about ``hold_s`` (and one slice) each. The GIL is given up
+    between holds, so that a route thread woken by the release takes the lock before
+    this thread takes it again; not after the last one (a thread that folds a few
+    records per wake-up would otherwise queue behind every route for a GIL switch
+    interval, and fall behind a busy router)."""
     step = max(1, size)
-    for i in range(0, len(records), step):
+    clock = time.perf_counter
+    i, n = 0, len(records)
+    while i < n:
         if i:
             time.sleep(0)
         with lock:
-            apply(records[i : i + step])
+            until = clock() + hold_s
+            while True:
+                apply(records[i : i + step])
+                i += step
+                if i >= n or clock() >= until:
+                    break
 
 
 #: Event ids per (worker, rank) whose digests the fold keeps (kvstream.replica.fold.WorkerLog).
@@ -160,6 +188,10 @@ class Outcome:
     applied_events: int = 0
 
 
+#: Outcomes of records applied whole (shared: an Outcome is immutable).
+_APPLIED = tuple(Outcome(applied_events=n) for n in range(64))
+
+
 @dataclass(slots=True)
 class PartitionState:
     next_offset: int = 0
@@ -182,6 +214,10 @@ class LogFold:
         #: of the worker's requests at that time among the active ops.
         self._on_expired = on_expired
         self._decode = decode
+        codec = getattr(decode, "__self__", None)
+        self._read_packed: Callable[[bytes], PackedBatch | None] | None = (
+            codec.packed_reader if isinstance(codec, EventCodec) else None
+        )
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
         self.workers: dict[int, WorkerLog] = {}
@@ -244,6 +280,16 @@ class LogFold:
         if is_tick:
             self._expire(partition, part.log_time_ms)
             return Outcome()
+        if self._read_packed is not None and value is not None:
+            try:
+                outcome = self._apply_packed(partition, timestamp_ms, key, value)
+            except MemoryError:
+                raise
+            except Exception as exc:
+                outcome = self._fold_error(partition, offset, exc)
+            if outcome is not None:
+                self._expire(partition, part.log_time_ms)
+                return outcome
         try:
             if value is None:
                 raise DecodeError("record has no value")
@@ -261,11 +307,72 @@ class LogFold:
             except MemoryError:
                 raise  # not a property of the record: the replica cannot go on
             except Exception as exc:
-                _log.exception("fold failed on a record", partition=partition, offset=offset)
-                self.counters[FOLD_ERROR] += 1
-                outcome = Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
+                outcome = self._fold_error(partition, offset, exc)
         self._expire(partition, part.log_time_ms)
         return outcome
+
+    def _fold_error(self, partition: int, offset: int, exc: Exception) -> Outcome:
+        _log.exception("fold failed on a record", partition=partition, offset=offset)
+        self.counters[FOLD_ERROR] += 1
+        return Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
+
+    def _apply_packed(self, partition: int, ts: int, key: bytes | None, value: bytes) -> Outcome | None:
+        """The compiled path: the outcome of the common record, or None (nothing done)
+        for any other, which :meth:`_apply_batch` then takes. Everything that decides
+        is checked before anything changes, so the two paths decide alike."""
+        packed = self._read_packed(value)  # type: ignore[misc]
+        if packed is None:
+            return None
+        wid, epoch, lease_ms, events = packed
+        log = self.workers.get(wid)
+        if log is None or log.epoch != epoch or log.partition != partition:
+            return None
+        if self.authority.check_head(key, ts, wid, epoch, lease_ms) is not None:
+            return None
+        index = self.router.index
+        held = -1  # counted at the first stored event
+        last_ids = log.last_ids
+        check_blocks = self.authority.check_blocks
+        # Each event the next id of its rank (or its rank's first), within the limits
+        # even if every store before it in the batch is accepted (an upper bound of held).
+        ids: dict[int, int] = {}
+        for kind, rank, _, eid, _, _, _, n, _ in events:
+            last = ids.get(rank, last_ids.get(rank))
+            if last is not None and eid != last + 1:
+                return None
+            ids[rank] = eid
+            if kind == _STORED:
+                if held < 0:
+                    held = index.worker_blocks(wid)
+                if check_blocks(True, n, held) is not None:
+                    return None
+                held += n
+            elif kind == _REMOVED and check_blocks(False, n, 0) is not None:
+                return None
+        self.dirty.add(wid)
+        log.lease_ms = lease_ms
+        if ts > log.last_seen_ms:
+            log.last_seen_ms = ts
+        known = index.knows(wid)
+        announced = False
+        applied = 0
+        rejected: list[str] = []
+        apply = index.apply_packed
+        last_digest = log.last_digest
+        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
+            last_ids[rank] = eid
+            last_digest[rank] = digest  # hash() of the model event, as the general path keeps
+            reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, value, blocks_at, tokens_at, n)
+            if reason is None:
+                applied += 1
+                announced = announced or kind != _REMOVED
+            else:
+                rejected.append(f"event {i} (id {eid}): {reason}")
+        if not known and not announced and index.knows(wid):
+            index.remove_worker(wid)  # as in _apply_batch
+        if rejected:
+            return Outcome(dlq_reason="; ".join(rejected), applied_events=applied)
+        return _APPLIED[applied] if applied < len(_APPLIED) else Outcome(applied_events=applied)
 
     def _apply_batch(self, partition: int, ts: int, batch: EventBatch) -> Outcome:
         wid = batch.worker_id

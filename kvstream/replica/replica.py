@@ -96,7 +96,8 @@ class ReplicaOptions:
     refuse_when_stale: bool = False
     #: Records per consume() call.
     consume_batch: int = 2000
-    #: Records folded per hold of the router lock (kvstream.replica.fold.FOLD_SLICE).
+    #: Records folded between looks at the clock under the router lock, which ingest
+    #: holds for about kvstream.replica.fold.FOLD_HOLD_S at a time (FOLD_SLICE).
     fold_slice: int = FOLD_SLICE
     #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
     tick_interval_s: float = 5.0

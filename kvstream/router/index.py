@@ -139,12 +139,11 @@ class TieredIndex:
 
     def worker_blocks(self, worker_id: int) -> int:
         """Blocks a worker holds over every rank and tier: O(its ranks)."""
-        size = self._core.size
-        return sum(
-            size(i, self._slot_of[(worker_id, rank)])
-            for rank in self._ranks.get(worker_id, ())
-            for i in range(len(TIERS))
-        )
+        size, slot_of = self._core.slot_size, self._slot_of
+        total = 0
+        for rank in self._ranks.get(worker_id, ()):
+            total += size(slot_of[(worker_id, rank)])
+        return total
 
     def clear_worker(self, worker_id: int) -> None:
         """Drop every block of every rank of a worker, on every tier; it stays known."""
@@ -224,6 +223,38 @@ class TieredIndex:
             self._core.clear_tier(_TIER_INDEX[event.tier], slot)
             return None
         raise TypeError(f"not a router event: {event!r}")
+
+    def apply_packed(
+        self,
+        kind: type[RouterEvent],
+        worker_id: int,
+        dp_rank: int,
+        tier: Tier,
+        parent_hash: int | None,
+        data: bytes,
+        blocks_at: int,
+        tokens_at: int,
+        count: int,
+    ) -> str | None:
+        """:meth:`apply` of an event whose hashes are still packed in a message:
+        ``count`` little-endian u64 block hashes at byte ``blocks_at`` of ``data`` (and
+        as many tokens hashes at ``tokens_at`` for a stored event)."""
+        slot = self._slot(worker_id, dp_rank)
+        if kind is Stored:
+            outcome = self._core.store_packed(_TIER_INDEX[tier], slot, parent_hash, data, blocks_at, tokens_at, count)
+            reason = _STORE_OUTCOME[outcome]
+            if reason is not None:
+                self.counters[reason] += 1
+            return reason
+        if kind is Removed:
+            unknown = self._core.remove_packed(_TIER_INDEX[tier], slot, data, blocks_at, count)
+            if unknown:
+                self.counters[UNKNOWN_REMOVE] += unknown
+            return None
+        if kind is Cleared:
+            self._core.clear_tier(_TIER_INDEX[tier], slot)
+            return None
+        raise TypeError(f"not a router event kind: {kind!r}")
 
     # -- queries ---------------------------------------------------------------------
 
