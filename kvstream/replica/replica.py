@@ -60,6 +60,7 @@ from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
 from kvstream.router.core import PromptTokens
 from kvstream.router.errors import RouterError
+from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision
 from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.settings import Settings
@@ -650,13 +651,17 @@ class Replica:
         *,
         cache_salt: str | None = None,
         mm: Sequence[MmSpan] = (),
+        candidates: Sequence[WorkerKey] | None = None,
     ) -> RouteDecision:
+        """Route a prompt (Router.find_best_match: ``candidates`` limits who competes)
+        and share the load it adds."""
         # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
         # request with the same client id is another request.
         key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
             decision = self.router.find_best_match(
-                token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm
+                token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm,
+                candidates=candidates,
             )
         if decision.op is not None:
             self._share(decision.op)
