@@ -21,6 +21,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvstream.gateway.options import GatewayOptions
+
 _config_file: Path | None = None
 
 
@@ -183,6 +185,9 @@ class Settings(BaseSettings):
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     fold: FoldSettings = Field(default_factory=FoldSettings)
+    #: The OpenAI gateway of ``kvstream router`` (``[gateway]``, ``[[gateway.workers]]``):
+    #: validated as kvstream.gateway.options.GatewayOptions, where each option is defined.
+    gateway: GatewayOptions = Field(default_factory=GatewayOptions)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"

@@ -9,11 +9,13 @@ import signal
 import threading
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import uvicorn
 from pydantic import ValidationError
 
+from kvstream.gateway.options import GatewayOptions
 from kvstream.logs import get_logger
 from kvstream.replica.auth import TokenError, Tokens, read_token
 from kvstream.replica.errors import ReplicaError
@@ -21,6 +23,9 @@ from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_pr
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, Settings, SettingsError, load_settings
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
 
 log = get_logger(__name__)
 
@@ -64,6 +69,16 @@ def replica_options(settings: Settings) -> ReplicaOptions:
 
 def http_limits(settings: Settings) -> HttpLimits:
     return HttpLimits(**_pick(HttpLimits, settings.replica.model_dump()))
+
+
+def gateway_for(replica: Replica, options: GatewayOptions) -> Gateway | None:
+    """The replica's OpenAI gateway over the static workers (None when disabled)."""
+    if not options.enabled:
+        return None
+    from kvstream.gateway.app import Gateway
+    from kvstream.gateway.static import StaticDirectory
+
+    return Gateway(replica, StaticDirectory(options.workers), options)
 
 
 def is_loopback(host: str) -> bool:
@@ -111,6 +126,9 @@ def server_config(app: object, settings: Settings, limits: HttpLimits, on_reject
 @click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), help="File holding the bearer token for every scope.")
 @click.option("--allow-open-bind", is_flag=True, default=None, help="Bind a non-loopback address without any token.")
+@click.option("--gateway/--no-gateway", default=None,
+              help="Serve the OpenAI endpoints (/v1/completions, /v1/chat/completions, /v1/models, /v1/embeddings) "
+              "for the workers of [[gateway.workers]] [gateway].")
 def router(
     config_file: str | None,
     bootstrap: str | None,
@@ -121,11 +139,14 @@ def router(
     token: str | None,
     token_file: Path | None,
     allow_open_bind: bool | None,
+    gateway: bool | None,
 ) -> None:
     """Run a router replica: fold kvstream.events, snapshot it, serve routing over HTTP.
 
     Tokens by scope (client, operator, peer), TLS and the HTTP limits are settings
-    ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); see docs/OPERATIONS.md."""
+    ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); the OpenAI gateway's
+    are [gateway] and its workers [[gateway.workers]] (KVSTREAM_GATEWAY__*); see
+    docs/OPERATIONS.md and the README."""
     try:
         settings = load_settings(config_file, bootstrap=bootstrap)
     except SettingsError as exc:
@@ -161,7 +182,8 @@ def router(
         replica = Replica(settings, options, router_config(settings), on_fatal=on_fatal)
     except ReplicaError as exc:
         raise click.ClickException(f"cannot start the replica: {exc}") from None
-    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs)
+    gw_options = settings.gateway if gateway is None else replace(settings.gateway, enabled=gateway)
+    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs, gateway=gateway_for(replica, gw_options))
     server = uvicorn.Server(
         server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
     )

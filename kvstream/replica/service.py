@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import msgspec
@@ -51,6 +51,9 @@ from kvstream.router.errors import (
     UnknownRequestError,
 )
 from kvstream.router.explain import decision_dict
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
 
 RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
 
@@ -126,16 +129,22 @@ def create_app(
     tokens: Tokens | None = None,
     limits: HttpLimits | None = None,
     docs: bool = False,
+    gateway: Gateway | None = None,
 ) -> FastAPI:
     """The API of ``replica``. ``tokens`` by scope (or ``token`` for every scope; neither:
-    open); ``docs`` serves /docs and /openapi.json."""
+    open); ``docs`` serves /docs and /openapi.json; ``gateway`` adds the OpenAI endpoints
+    (kvstream.gateway.app), running for the app's lifespan."""
     tokens = tokens if tokens is not None else Tokens.build(token)
     limits = limits or HttpLimits()
     parsers: list[ProcessPoolExecutor] = []  # started on the first large body
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
+        if gateway is None:
+            yield
+        else:
+            async with gateway.running():
+                yield
         for pool in parsers:
             pool.shutdown(cancel_futures=True)
 
@@ -248,6 +257,8 @@ def create_app(
         return Response(answer, media_type="application/json")
 
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
+    if gateway is not None:
+        gateway.mount(app, tokens)
     if docs:
         app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
 
