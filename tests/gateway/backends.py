@@ -9,7 +9,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,8 +29,9 @@ class Backend:
     """What the test controls and observes of one backend."""
 
     name: str
-    #: ``ok``; ``fail`` (500 before any byte); ``break`` (a stream cut off after two
-    #: chunks); ``refuse`` is a port with nothing listening (see ``closed_port``).
+    #: ``ok``; ``fail`` (500 before any byte); ``hang`` (no byte for 30 s); ``break``
+    #: (a stream cut off after two chunks). A worker whose engine is gone is a port with
+    #: nothing listening (``closed_port``).
     mode: str = "ok"
     health: int = 200
     chunks: int = 4
@@ -45,6 +46,8 @@ class Backend:
     completed: int = 0
     #: Each stream's chunks: when it sent them (monotonic), for the incremental test.
     sent_at: list[list[float]] = field(default_factory=list)
+    #: Text → token ids, for ``POST /tokenize`` (vLLM's).
+    tokenize: Callable[[str], list[int]] | None = None
     port: int = 0
 
     @property
@@ -70,6 +73,8 @@ def _app(b: Backend) -> web.Application:
         b.received.append(Received(request.path, raw, {k.lower(): v for k, v in request.headers.items()}))
         if b.mode == "fail":
             return web.json_response({"error": {"message": "engine died", "type": "internal"}}, status=500)
+        if b.mode == "hang":
+            await asyncio.sleep(30)
         body = orjson.loads(raw)
         chat = request.path.endswith("/chat/completions")
         model = body.get("model")
@@ -136,7 +141,16 @@ def _app(b: Backend) -> web.Application:
                                   "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
                                   "usage": {"prompt_tokens": 2, "total_tokens": 2}})
 
+    async def tokenize(request: web.Request) -> web.Response:
+        raw = await request.read()
+        b.received.append(Received(request.path, raw, {k.lower(): v for k, v in request.headers.items()}))
+        body = orjson.loads(raw)
+        assert b.tokenize is not None
+        tokens = b.tokenize(body["prompt"])
+        return web.json_response({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens})
+
     app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)

@@ -160,6 +160,33 @@ def test_with_no_other_worker_left_the_engines_own_5xx_is_the_answer(replica: Re
         assert err.value.status_code == 500 and len(dead.requests()) == 1
 
 
+def test_a_worker_that_sends_nothing_times_out_and_the_request_goes_elsewhere(replica: Replica) -> None:
+    prompt = ids(8)
+    with running(Backend("stuck", mode="hang"), Backend("b")) as (stuck, b), \
+            serving(replica, [stuck, b], read_timeout_s=0.5) as s:
+        publish_prefix(replica, s.ids[0], prompt)
+        r = s.client().completions.with_raw_response.create(model=MODEL, prompt=prompt, stream=True)
+        assert r.headers["x-kvstream-worker"] == str(s.ids[1])
+        assert [c.choices[0].text for c in r.parse()] == ["t0 ", "t1 ", "t2 ", "t3 "]
+        assert len(stuck.requests()) == 1
+        assert metric(s, "kvstream_gateway_retries_total", reason="timeout") == 1
+        wait_until(lambda: load_of(replica, s.ids[0]) == load_of(replica, s.ids[1]) == 0, "load left behind")
+
+
+def test_text_is_tokenized_by_one_engine_when_asked(replica: Replica, prompt_tokenizer) -> None:
+    text = "A prompt that only the engines can tokenize, long enough for blocks. " * 6
+    token_ids = prompt_tokenizer.completion_ids(text)
+    engines = [Backend(n, tokenize=prompt_tokenizer.completion_ids) for n in "abc"]
+    with running(*engines) as backends, serving(replica, backends, tokenize="engine") as s:
+        publish_prefix(replica, s.ids[2], token_ids)
+        r = s.client().completions.with_raw_response.create(model=MODEL, prompt=text)
+        assert r.headers["x-kvstream-worker"] == str(s.ids[2])
+        assert r.headers["x-kvstream-cached-tokens"] == str(len(token_ids) // 16 * 16)
+        asked = [b for b in backends if b.requests("/tokenize")]
+        assert len(asked) == 1 and len(asked[0].requests("/tokenize")) == 1
+        assert orjson.loads(asked[0].requests("/tokenize")[0].body) == {"model": MODEL, "prompt": text}
+
+
 def test_breaker_opens_after_failures_and_closes_after_a_trial(replica: Replica) -> None:
     prompt = ids(5)
     with running(Backend("a", mode="fail"), Backend("b")) as (a, b), \
