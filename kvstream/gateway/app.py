@@ -138,7 +138,7 @@ class Gateway:
     def engage(self, worker_id: int) -> None:
         self._per_worker[worker_id] = self._per_worker.get(worker_id, 0) + 1
         self.health.attempt(worker_id)
-        self.metrics.selected.labels(worker=str(worker_id)).inc()
+        self.metrics.of(self.metrics.selected, str(worker_id)).inc()
 
     def release(self, worker_id: int) -> None:
         self._per_worker[worker_id] -= 1
@@ -212,7 +212,7 @@ class Gateway:
         self.metrics.inflight.dec()
 
     def _refuse(self, exc: ApiError, endpoint: Endpoint, model: str, request_id: str) -> Response:
-        self.metrics.requests.labels(model=model, endpoint=endpoint.value, status=str(exc.status)).inc()
+        self.metrics.of(self.metrics.requests, model, endpoint.value, str(exc.status)).inc()
         return Response(exc.body(), exc.status, headers=exc.headers() | {"x-request-id": request_id},
                         media_type="application/json")
 
@@ -221,11 +221,11 @@ class Gateway:
         self._left()
         m, model, endpoint = self.metrics, ex.req.model, ex.req.endpoint.value
         end = time.perf_counter()
-        m.requests.labels(model=model, endpoint=endpoint, status=str(ex.status)).inc()
-        m.e2e.labels(model=model, endpoint=endpoint).observe(end - ex.started)
+        m.of(m.requests, model, endpoint, str(ex.status)).inc()
+        m.of(m.e2e, model, endpoint).observe(end - ex.started)
         ttft = None if ex.first_at is None else ex.first_at - ex.started
         if ttft is not None:
-            m.ttft.labels(model=model).observe(ttft)
+            m.of(m.ttft, model).observe(ttft)
         usage = ex.usage
         details = usage.get("prompt_tokens_details") if usage else None
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -233,10 +233,10 @@ class Gateway:
         prompt_tokens = usage.get("prompt_tokens") if usage else None
         prompt_tokens = prompt_tokens if type(prompt_tokens) is int and prompt_tokens >= 0 else len(ex.ids)
         if ex.status == 200 and ex.track:
-            m.predicted_cached.labels(model=model, reported=str(cached is not None).lower()).inc(ex.predicted)
-            m.prompt_tokens.labels(model=model).inc(prompt_tokens)
+            m.of(m.predicted_cached, model, "true" if cached is not None else "false").inc(ex.predicted)
+            m.of(m.prompt_tokens, model).inc(prompt_tokens)
             if cached is not None:
-                m.engine_cached.labels(model=model).inc(cached)
+                m.of(m.engine_cached, model).inc(cached)
         log.info(
             "gateway request", request_id=ex.request_id, model=model, endpoint=endpoint, worker=ex.worker,
             attempts=ex.attempts, predicted_cached_tokens=ex.predicted, engine_cached_tokens=cached,

@@ -115,8 +115,10 @@ class WorkerHealth:
         for wid in worker_ids:
             self._show(wid)
 
-    def forget(self, worker_id: int) -> None:
-        self._breakers.pop(worker_id, None)
+    def retain(self, worker_ids: list[int]) -> None:
+        """Forget the breakers of workers that left the directory."""
+        for wid in set(self._breakers) - set(worker_ids):
+            del self._breakers[wid]
 
 
 async def probe_loop(
@@ -135,7 +137,12 @@ async def probe_loop(
             health.probed(worker_id, False, f"/health failed: {type(exc).__name__}: {exc}")
 
     while True:
-        eps = list(directory.endpoints())
-        await asyncio.gather(*(probe(ep.worker_id, ep.url) for ep in eps))
-        health.refresh_gauges([ep.worker_id for ep in eps])
+        try:
+            eps = list(directory.endpoints())
+            await asyncio.gather(*(probe(ep.worker_id, ep.url) for ep in eps))
+            ids = [ep.worker_id for ep in eps]
+            health.retain(ids)
+            health.refresh_gauges(ids)
+        except Exception as exc:  # noqa: BLE001 (the probes must outlive any one failure)
+            log.error("health probe round failed", error=f"{type(exc).__name__}: {exc}")
         await asyncio.sleep(options.health_interval_s)

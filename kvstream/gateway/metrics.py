@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Seconds: from a millisecond (the relay's own cost) to minutes (long generations).
@@ -11,6 +13,10 @@ _GAPS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        #: (metric, label values) → its child: ``labels()`` costs a lock and a tuple
+        #: build each time, several per request; the label values are few (the
+        #: directory's models and workers, statuses).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = registry
         self.requests = Counter(
             "kvstream_gateway_requests", "OpenAI requests answered, by model, endpoint and status",
@@ -64,3 +70,11 @@ class GatewayMetrics:
             "kvstream_gateway_prompt_tokens", "Prompt tokens of relayed requests (the engine's usage when reported, else the gateway's count)",
             ["model"], registry=r,
         )
+
+    def of(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child

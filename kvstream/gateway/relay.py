@@ -327,7 +327,7 @@ class Exchange:
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse, send: Any) -> None:
         await self._start(send, 200, self._relayed(resp), None)
-        itl = self.gw.metrics.itl.labels(model=self.req.model)
+        itl = self.gw.metrics.of(self.gw.metrics.itl, self.req.model)
         pending: bytes | None = b""  # the events not yet known to hold content (None: found)
         prev = last = b""
         seen = 0.0
