@@ -40,7 +40,10 @@ HOP_BY_HOP = frozenset({
 })
 #: Also not forwarded: the client's credential, what aiohttp sets itself, and what the
 #: gateway sets (the worker sends plain bytes: the relay reads the first token and usage).
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"accept-encoding", b"x-request-id"}
+_NOT_FORWARDED = HOP_BY_HOP | {
+    b"host", b"content-length", b"authorization", b"accept-encoding", b"x-request-id",
+    b"expect",  # the body is already here: nothing to wait for
+}
 #: Not relayed back: framing (the server frames the response itself) and what it sets.
 _NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 _SSE = "text/event-stream"
@@ -315,15 +318,16 @@ class Exchange:
             raise upstream_failed(502, f"worker {self.worker}'s answer broke off: {type(exc).__name__}: {exc}") from None
         resp.release()
         self.response = None
+        self.finished = True
+        await self._start(send, resp.status, self._relayed(resp), len(body))
+        await send({"type": "http.response.body", "body": body})
+        # The load's bookkeeping after the answer left: it costs the client nothing.
         if resp.status == 200:
             self.first_at = time.perf_counter()
             await self.life.prefill_done()
             self.usage = body_usage(body)
         else:
             self.outcome = f"worker_{resp.status}"
-        self.finished = True
-        await self._start(send, resp.status, self._relayed(resp), len(body))
-        await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse, send: Any) -> None:
         await self._start(send, 200, self._relayed(resp), None)
@@ -334,20 +338,20 @@ class Exchange:
         try:
             async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if pending is not None:
                     pending += chunk
                     *events, rest = _events(pending)
                     if any(_has_content(e) for e in events):
                         pending = None
                         self.first_at = now
-                        await self.life.prefill_done()
+                        await self.life.prefill_done()  # after the chunk left: it costs the client nothing
                     else:
                         pending = rest
                 else:
                     itl.observe(now - seen)
                 seen = now
                 prev, last = last, chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.outcome = "upstream_broken"
             self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
