@@ -632,7 +632,8 @@ class Replica:
             except RouterError as exc:  # e.g. free of a request that already expired here
                 self.metrics.active_errors.labels(reason=type(exc).__name__).inc()
 
-    def _share(self, op: ActiveOp) -> None:
+    def share(self, op: ActiveOp) -> None:
+        """Publish a load op on kvstream.active for the peer replicas."""
         self.metrics.active_ops.labels(source="local").inc()
         self._produce(
             "active", self.settings.topics.name("active"),
@@ -652,9 +653,11 @@ class Replica:
         cache_salt: str | None = None,
         mm: Sequence[MmSpan] = (),
         candidates: Sequence[WorkerKey] | None = None,
+        share: bool = True,
     ) -> RouteDecision:
         """Route a prompt (Router.find_best_match: ``candidates`` limits who competes)
-        and share the load it adds."""
+        and share the load it adds; with ``share=False`` the caller shares
+        ``decision.op`` itself (:meth:`share`), e.g. once its request has left."""
         # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
         # request with the same client id is another request.
         key = None if request_id is None else scoped(self.replica_id, request_id)
@@ -663,19 +666,19 @@ class Replica:
                 token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm,
                 candidates=candidates,
             )
-        if decision.op is not None:
-            self._share(decision.op)
+        if share and decision.op is not None:
+            self.share(decision.op)
         return replace(decision, request_id=request_id)
 
     def prefill_done(self, request_id: str) -> None:
         with self.lock:
             op = self.router.prefill_done(scoped(self.replica_id, request_id))
-        self._share(op)
+        self.share(op)
 
     def free(self, request_id: str) -> None:
         with self.lock:
             op = self.router.free(scoped(self.replica_id, request_id))
-        self._share(op)
+        self.share(op)
 
 
 def _topic_id(admin: AdminClient, topic: str) -> str | None:

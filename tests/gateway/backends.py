@@ -29,7 +29,7 @@ class Backend:
     """What the test controls and observes of one backend."""
 
     name: str
-    #: ``ok``; ``fail`` (500 before any byte); ``hang`` (no byte for 30 s); ``break``
+    #: ``ok``; ``fail`` (500 before any byte); ``reject`` (400); ``hang`` (no byte for 30 s); ``break``
     #: (a stream cut off after two chunks). A worker whose engine is gone is a port with
     #: nothing listening (``closed_port``).
     mode: str = "ok"
@@ -73,6 +73,9 @@ def _app(b: Backend) -> web.Application:
         b.received.append(Received(request.path, raw, {k.lower(): v for k, v in request.headers.items()}))
         if b.mode == "fail":
             return web.json_response({"error": {"message": "engine died", "type": "internal"}}, status=500)
+        if b.mode == "reject":  # the engine's own refusal (a context too long, say)
+            return web.json_response({"error": {"message": "too long", "type": "BadRequestError", "param": None,
+                                                "code": 400}}, status=400)
         if b.mode == "hang":
             await asyncio.sleep(30)
         body = orjson.loads(raw)

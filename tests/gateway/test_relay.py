@@ -23,6 +23,7 @@ from tests.gateway.fleet import (
     serving,
     wait_until,
 )
+from tests.replica.test_replica_kafka import start
 
 pytestmark = pytest.mark.kafka
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -113,6 +114,31 @@ def test_stream_is_relayed_as_it_arrives(replica: Replica) -> None:
         wait_until(lambda: load_of(replica, s.ids[0]) == 0, "the load was not freed at the end of the stream")
 
 
+def test_peer_replicas_see_the_load_of_relayed_requests(replica: Replica, kafka_topics) -> None:
+    """The gateway's load ops reach the other replicas through kvstream.active, in order:
+    the peer counts the request while it streams and forgets it at its end."""
+    peer = start(kafka_topics)
+    gate = threading.Event()
+    try:
+        with running(Backend("a", chunks=2, gate=gate)) as (a,), serving(replica, [a]) as s:
+            stream = iter(s.client().completions.create(model=MODEL, prompt=ids(9), stream=True))
+            next(stream)
+            wait_until(lambda: load_of(peer, s.ids[0]) == 1, "the peer never saw the relayed request's load")
+            gate.set()
+            list(stream)
+            wait_until(lambda: load_of(peer, s.ids[0]) == 0, "the peer kept the load of a finished request")
+            # A request that fails before its first byte leaves nothing behind either.
+            a.mode = "fail"
+            with pytest.raises(openai.InternalServerError):
+                s.client().completions.create(model=MODEL, prompt=ids(10))
+            time.sleep(0.5)
+            assert load_of(peer, s.ids[0]) == 0
+            with peer.lock:
+                assert peer.metrics.active_errors._metrics == {}  # no op arrived out of order
+    finally:
+        peer.stop()
+
+
 def test_client_disconnect_cancels_upstream_and_frees_the_load(replica: Replica) -> None:
     with running(Backend("a", chunks=400, delay_s=0.02)) as (a,), serving(replica, [a]) as s:
         stream = s.client().completions.create(model=MODEL, prompt=ids(2), stream=True)
@@ -185,6 +211,17 @@ def test_text_is_tokenized_by_one_engine_when_asked(replica: Replica, prompt_tok
         asked = [b for b in backends if b.requests("/tokenize")]
         assert len(asked) == 1 and len(asked[0].requests("/tokenize")) == 1
         assert orjson.loads(asked[0].requests("/tokenize")[0].body) == {"model": MODEL, "prompt": text}
+
+
+def test_the_engines_own_4xx_comes_back_as_it_is_and_is_not_retried(replica: Replica) -> None:
+    with running(Backend("a", mode="reject"), Backend("b", mode="reject")) as (a, b), serving(replica, [a, b]) as s:
+        with pytest.raises(openai.BadRequestError) as err:
+            s.client().completions.create(model=MODEL, prompt=ids(11), stream=True)
+        assert err.value.body["message"] == "too long"
+        assert len(a.requests()) + len(b.requests()) == 1
+        assert metric(s, "kvstream_gateway_retries_total") == 0
+        assert all(metric(s, "kvstream_gateway_breaker_state", worker=str(w)) == 0 for w in s.ids)
+        wait_until(lambda: all(load_of(replica, w) == 0 for w in s.ids), "load left behind")
 
 
 def test_breaker_opens_after_failures_and_closes_after_a_trial(replica: Replica) -> None:
@@ -275,12 +312,13 @@ def test_bad_bodies_get_openai_errors(replica: Replica, body: bytes, status: int
         assert s.gateway.inflight == 0
 
 
-def test_the_worker_holding_the_longest_prefix_gets_the_request(replica: Replica, prompt_tokenizer) -> None:
+@pytest.mark.parametrize("inline_tokenize_chars", [16_384, 0])  # 0: every prompt tokenized in a thread
+def test_the_worker_holding_the_longest_prefix_gets_the_request(replica: Replica, prompt_tokenizer, inline_tokenize_chars: int) -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 12
     token_ids = prompt_tokenizer.completion_ids(text)
     full = len(token_ids) // 16 * 16
     with running(Backend("a"), Backend("b"), Backend("c")) as backends, \
-            serving(replica, backends, {MODEL: prompt_tokenizer}) as s:
+            serving(replica, backends, {MODEL: prompt_tokenizer}, inline_tokenize_chars=inline_tokenize_chars) as s:
         publish_prefix(replica, s.ids[0], token_ids[:32])
         publish_prefix(replica, s.ids[1], token_ids[:full])
         client = s.client()
