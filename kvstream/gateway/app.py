@@ -238,7 +238,7 @@ class Gateway:
             if cached is not None:
                 m.of(m.engine_cached, model).inc(cached)
         log.info(
-            "gateway request", request_id=ex.request_id, model=model, endpoint=endpoint, worker=ex.worker,
+            "gateway request", request_id=ex.request_id, load_id=ex.life.request_id, model=model, endpoint=endpoint, worker=ex.tried_last,
             attempts=ex.attempts, predicted_cached_tokens=ex.predicted, engine_cached_tokens=cached,
             prompt_tokens=prompt_tokens, ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             e2e_ms=round((end - ex.started) * 1000, 3), status=ex.status, outcome=ex.outcome,

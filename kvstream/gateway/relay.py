@@ -152,7 +152,10 @@ class Exchange:
         self.life = RequestLife(gateway.replica, gateway.limiter)
         self.status = 0
         self.outcome = "ok"
+        #: The worker holding the request now (engaged: released at the end).
         self.worker: int | None = None
+        #: The last worker tried: the one the answer names.
+        self.tried_last: int | None = None
         self.predicted = 0
         self.attempts = 0
         self.first_at: float | None = None
@@ -263,7 +266,7 @@ class Exchange:
         self.attempts += 1
         wid = decision.worker.worker_id
         ep = next(e for e in eps if e.worker_id == wid)
-        self.worker = wid
+        self.worker = self.tried_last = wid
         self.predicted = decision.op.overlap_tokens if decision.op is not None else 0
         gw.engage(wid)
         if self.attempts > 1:
@@ -301,7 +304,7 @@ class Exchange:
         self.status = status
         headers = headers + [
             (b"x-request-id", self.request_id.encode()),
-            (b"x-kvstream-worker", str(self.worker).encode()),
+            (b"x-kvstream-worker", str(self.tried_last).encode()),
             (b"x-kvstream-cached-tokens", str(self.predicted).encode()),
         ]
         if length is not None:

@@ -225,13 +225,13 @@ class Router:
         """Score every candidate (``candidates`` as in find_best_match) for a prompt
         given by its block hashes (what find_best_match does after hashing; replay tools
         call it with logged hashes). Expires old requests first; applies nothing else."""
+        keys = tuple(self.index.workers()) if candidates is None else tuple(self.index.candidate_keys(candidates))
+        if candidates is not None and not keys:  # before expiring, as the core does
+            raise NoEligibleWorkerError("no candidate worker was given")
         active = self.active
         active.expire(now)
         overlaps = self.index.find_matches_by_tier(local_hashes, seq_hashes)
         get_overlap = overlaps.get
-        keys = tuple(self.index.workers()) if candidates is None else tuple(self.index.candidate_keys(candidates))
-        if candidates is not None and not keys:
-            raise NoEligibleWorkerError("no candidate worker was given")
         n = len(keys)
         flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
         overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]

@@ -184,6 +184,7 @@ def test_with_no_other_worker_left_the_engines_own_5xx_is_the_answer(replica: Re
         with pytest.raises(openai.InternalServerError) as err:
             s.client().completions.create(model=MODEL, prompt=prompt)
         assert err.value.status_code == 500 and len(dead.requests()) == 1
+        assert err.value.response.headers["x-kvstream-worker"] == str(s.ids[0])
 
 
 def test_a_worker_that_sends_nothing_times_out_and_the_request_goes_elsewhere(replica: Replica) -> None:
