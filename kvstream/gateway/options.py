@@ -77,8 +77,8 @@ class GatewayOptions:
     health_timeout_s: float = 2.0
     #: Longest prompt accepted (tokens; the default is what ``POST /v1/route`` takes).
     max_prompt_tokens: int = 1 << 20
-    #: Text prompts longer than this (characters) are tokenized off the event loop.
-    inline_tokenize_chars: int = 16_384
+    #: Requests whose body is larger than this (bytes) are tokenized off the event loop.
+    inline_tokenize_bytes: int = 16_384
     #: Connections kept open to the workers (0: no limit).
     upstream_connections: int = 1024
 

@@ -56,7 +56,7 @@ class PromptIds:
             prompt = req.body["prompt"]
             work, arg = tokenizer.completion_ids, prompt if isinstance(prompt, str) else prompt[0]
         try:
-            if size <= self.options.inline_tokenize_chars:
+            if size <= self.options.inline_tokenize_bytes:
                 return work(arg)
             return await anyio.to_thread.run_sync(work, arg)
         except (ValueError, TypeError, KeyError) as exc:  # a template that cannot render these messages

@@ -313,13 +313,13 @@ def test_bad_bodies_get_openai_errors(replica: Replica, body: bytes, status: int
         assert s.gateway.inflight == 0
 
 
-@pytest.mark.parametrize("inline_tokenize_chars", [16_384, 0])  # 0: every prompt tokenized in a thread
-def test_the_worker_holding_the_longest_prefix_gets_the_request(replica: Replica, prompt_tokenizer, inline_tokenize_chars: int) -> None:
+@pytest.mark.parametrize("inline_tokenize_bytes", [16_384, 0])  # 0: every prompt tokenized in a thread
+def test_the_worker_holding_the_longest_prefix_gets_the_request(replica: Replica, prompt_tokenizer, inline_tokenize_bytes: int) -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 12
     token_ids = prompt_tokenizer.completion_ids(text)
     full = len(token_ids) // 16 * 16
     with running(Backend("a"), Backend("b"), Backend("c")) as backends, \
-            serving(replica, backends, {MODEL: prompt_tokenizer}, inline_tokenize_chars=inline_tokenize_chars) as s:
+            serving(replica, backends, {MODEL: prompt_tokenizer}, inline_tokenize_bytes=inline_tokenize_bytes) as s:
         publish_prefix(replica, s.ids[0], token_ids[:32])
         publish_prefix(replica, s.ids[1], token_ids[:full])
         client = s.client()
