@@ -117,6 +117,7 @@ class Gateway:
         for endpoint in Endpoint:
             app.router.add_route(endpoint.value, partial(self.serve, endpoint), methods=["POST"], include_in_schema=False)
         app.router.add_route("/v1/models", self.models, methods=["GET"], include_in_schema=False)
+        app.router.add_route("/v1/models/{model:path}", self.models, methods=["GET"], include_in_schema=False)
 
     # -- the candidates --------------------------------------------------------------------
 
@@ -189,6 +190,7 @@ class Gateway:
         return Exchange(self, req, raw, request.scope["headers"], request_id, ids, lora, endpoints, started)
 
     async def models(self, request: Request) -> Response:
+        """``GET /v1/models``, and ``/v1/models/{model}`` (404 for a name no worker serves)."""
         if not self.tokens.allows(request.headers.get("authorization", ""), (Scope.CLIENT,)):
             exc = unauthorized("missing or wrong bearer token (the replica's client token is the api key)")
             return Response(exc.body(), exc.status, media_type="application/json")
@@ -198,12 +200,18 @@ class Gateway:
                 names.setdefault(m, None)
             for lora in ep.loras:
                 names.setdefault(lora, ep.models[0] if ep.models else None)
-        data = [
-            {"id": name, "object": "model", "created": self._created, "owned_by": "kvstream"}
+        data = {
+            name: {"id": name, "object": "model", "created": self._created, "owned_by": "kvstream"}
             | ({"parent": parent} if parent else {})
             for name, parent in names.items()
-        ]
-        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+        }
+        one = request.path_params.get("model")
+        if one is None:
+            return Response(orjson.dumps({"object": "list", "data": list(data.values())}), media_type="application/json")
+        if one not in data:
+            exc = unknown_model(one)
+            return Response(exc.body(), exc.status, media_type="application/json")
+        return Response(orjson.dumps(data[one]), media_type="application/json")
 
     # -- the end of a request --------------------------------------------------------------
 

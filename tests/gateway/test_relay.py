@@ -342,6 +342,9 @@ def test_models_embeddings_and_lora_names(replica: Replica) -> None:
     with running(Backend("a"), Backend("b")) as (a, b), serving(replica, [a, b]) as s:
         client = s.client()
         assert [m.id for m in client.models.list()] == [MODEL, LORA]
+        assert client.models.retrieve(LORA).model_extra["parent"] == MODEL
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("org/unknown")
         e = client.embeddings.with_raw_response.create(model=MODEL, input="hello")
         assert e.parse().data[0].embedding == [0.5, 0.25]
         assert e.headers["x-kvstream-worker"] in {str(w) for w in s.ids}
