@@ -43,6 +43,7 @@ HOP_BY_HOP = frozenset({
 _NOT_FORWARDED = HOP_BY_HOP | {
     b"host", b"content-length", b"authorization", b"accept-encoding", b"x-request-id",
     b"expect",  # the body is already here: nothing to wait for
+    b"x-data-parallel-rank",  # the router's to choose, not the client's
 }
 #: Not relayed back: framing (the server frames the response itself) and what it sets.
 _NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
@@ -50,11 +51,17 @@ _SSE = "text/event-stream"
 _DONE = b"[DONE]"
 
 
-def upstream_headers(client: Sequence[tuple[bytes, bytes]], request_id: str, api_key: str | None) -> list[tuple[str, str]]:
-    """The headers sent to the worker for a client's headers."""
+def upstream_headers(
+    client: Sequence[tuple[bytes, bytes]], request_id: str, api_key: str | None, dp_rank: int | None
+) -> list[tuple[str, str]]:
+    """The headers sent to the worker for a client's headers; ``dp_rank``: the rank the
+    request is routed to, for an engine with several (vLLM and SGLang honour
+    ``X-Data-Parallel-Rank``)."""
     named = {v.strip().lower() for k, v in client if k == b"connection" for v in v.split(b",")}
     out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client if k not in _NOT_FORWARDED and k not in named]
     out += [("x-request-id", request_id), ("accept-encoding", "identity")]
+    if dp_rank is not None:
+        out.append(("x-data-parallel-rank", str(dp_rank)))
     if not any(k == b"content-type" for k, _ in client):
         out.append(("content-type", "application/json"))
     if api_key:
@@ -271,7 +278,8 @@ class Exchange:
         gw.engage(wid)
         if self.attempts > 1:
             gw.metrics.retries.labels(reason=self.outcome).inc()
-        headers = upstream_headers(self.headers, self.request_id, ep.api_key)
+        rank = decision.worker.dp_rank
+        headers = upstream_headers(self.headers, self.request_id, ep.api_key, rank if rank or ep.dp_ranks > 1 else None)
         try:
             resp = await gw.session.post(
                 ep.url + self.req.endpoint.value, data=self.raw, headers=headers, timeout=gw.upstream_timeout,

@@ -119,19 +119,19 @@ def serving(replica: Replica, backends: Sequence[Backend | str], tokenizers: Map
         t.join(10)
 
 
-def publish_prefix(replica: Replica, worker_id: int, token_ids: list[int], lora: str | None = None) -> None:
+def publish_prefix(replica: Replica, worker_id: int, token_ids: list[int], lora: str | None = None, rank: int = 0) -> None:
     """The worker stores the prompt's full blocks (hashed as kvstream.hashing hashes the
     token ids, with the LoRA adapter's name if any), through the real broker, and the
     replica has folded them."""
-    w = FakeWorkerLog(worker_id)
+    w = FakeWorkerLog(worker_id, ranks=rank + 1)
     local, seq = block_hashes(token_ids, lora_name=lora)
-    cleared = w.cleared()
-    stored = Stored(worker_id, 0, Tier.DEVICE, w.epoch, cleared.event_id + 1, None, tuple(seq), tuple(local))
+    cleared = w.cleared(rank)
+    stored = Stored(worker_id, rank, Tier.DEVICE, w.epoch, cleared.event_id + 1, None, tuple(seq), tuple(local))
     produce(replica.settings, [(worker_id, w.batch(cleared, stored))])
 
     def folded() -> bool:
         ranks = replica.workers_view()["workers"].get(str(worker_id), {}).get("ranks", {})
-        return sum(ranks.get("0", {}).values()) >= len(seq)
+        return sum(ranks.get(str(rank), {}).values()) >= len(seq)
 
     wait_until(folded, "the replica never folded the worker's blocks")
 

@@ -89,6 +89,13 @@ def test_body_is_forwarded_byte_for_byte_and_headers_are_filtered(replica: Repli
         assert r.headers["x-kvstream-worker"] == str(s.ids[0])
         assert r.headers["x-kvstream-cached-tokens"] == "0"
         assert r.headers["x-engine"] == "a"  # the engine's own headers come back
+        assert "x-data-parallel-rank" not in h  # one rank: the engine's own choice
+        # A rank the index knows of the worker is a candidate, and the engine is told it.
+        publish_prefix(replica, s.ids[0], ids(12), rank=1)
+        r = httpx.post(f"{s.base_url}/v1/completions", json={"model": MODEL, "prompt": ids(12)},
+                       headers={**AUTH, "x-data-parallel-rank": "0"})
+        assert r.headers["x-kvstream-cached-tokens"] == str(len(ids(12)))
+        assert a.requests()[-1].headers["x-data-parallel-rank"] == "1"
         # With the SDK: an engine field it does not know reaches the worker; a minted id comes back.
         resp = s.client().completions.with_raw_response.create(
             model=MODEL, prompt=[5, 6], extra_body={"kv_transfer_params": {"remote_block_ids": [1, 2]}})
