@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvstream.hashing import MmSpan
 from kvstream.replica import request_ids, route_body
 from kvstream.replica.auth import Scope, Tokens
-from kvstream.replica.errors import SnapshotError
+from kvstream.replica.errors import AmbiguousRequestError, SnapshotError
 from kvstream.replica.http_limits import BodyLimit, HttpLimits
 from kvstream.replica.peer import stream_snapshot
 from kvstream.replica.replica import Replica
@@ -268,7 +268,7 @@ def create_app(
             replica.prefill_done(request_id)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
-        except RouterError as exc:
+        except (RouterError, AmbiguousRequestError) as exc:
             raise HTTPException(409, str(exc)) from None
         return {"request_id": request_id, "state": "decoding"}
 
@@ -278,6 +278,8 @@ def create_app(
             replica.free(request_id)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
+        except AmbiguousRequestError as exc:
+            raise HTTPException(409, str(exc)) from None
         return {"request_id": request_id, "state": "freed"}
 
     @app.get("/v1/workers", dependencies=needs(Scope.OPERATOR))

@@ -117,6 +117,12 @@ class Router:
     def workers(self) -> list[WorkerKey]:
         return self.index.workers()
 
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self.active
+
+    def active_requests(self) -> int:
+        return len(self.active)
+
     def remove_worker(self, worker_id: int) -> list[WorkerKey]:
         """Forget a worker: its blocks on every tier and rank, and its active requests."""
         if not self.index.knows(worker_id):
