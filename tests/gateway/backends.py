@@ -114,8 +114,8 @@ def _app(b: Backend) -> web.Application:
                 await resp.write(event({"role": "assistant", "content": ""}, None, None))
             for i in range(b.chunks):
                 last = i == b.chunks - 1
+                times.append(time.monotonic())  # before the write: the client may read it at once
                 await resp.write(event({"content": f"t{i} "}, f"t{i} ", "length" if last else None))
-                times.append(time.monotonic())
                 if i == 0 and b.gate is not None:
                     while not b.gate.is_set():
                         await asyncio.sleep(0.01)
