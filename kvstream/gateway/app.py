@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -72,6 +73,8 @@ class Gateway:
         self.prompts = PromptIds(tokenizers or {}, o)
         self.upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s, sock_read=o.read_timeout_s)
         self.inflight = 0
+        #: Requests waiting for a slot (queue_timeout_s), first in line first.
+        self._waiting: deque[asyncio.Future[None]] = deque()
         self._per_worker: dict[int, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._limiter: anyio.CapacityLimiter | None = None
@@ -154,12 +157,9 @@ class Gateway:
         try:
             if not self.tokens.allows(request.headers.get("authorization", ""), (Scope.CLIENT,)):
                 raise unauthorized("missing or wrong bearer token (the replica's client token is the api key)")
-            if self.inflight >= self.options.max_inflight:
-                raise overloaded(f"this replica relays {self.options.max_inflight} requests already", self.options.retry_after_s)
+            await self._admit()
         except ApiError as exc:
             return self._refuse(exc, endpoint, known, request_id)
-        self.inflight += 1
-        self.metrics.inflight.inc()
         try:
             raw = await request.body()
             req = parse(raw, endpoint)
@@ -215,7 +215,37 @@ class Gateway:
 
     # -- the end of a request --------------------------------------------------------------
 
+    async def _admit(self) -> None:
+        """A slot among the ``max_inflight``: at once, or after waiting in line (FIFO) up
+        to ``queue_timeout_s`` while at most ``max_queued`` wait; else 429."""
+        o = self.options
+        if self.inflight < o.max_inflight:
+            self.inflight += 1
+            self.metrics.inflight.inc()
+            return
+        if not o.queue_timeout_s or len(self._waiting) >= o.max_queued:
+            raise overloaded(f"this replica relays {o.max_inflight} requests already", o.retry_after_s)
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        self.metrics.queued.inc()
+        try:
+            await asyncio.wait_for(turn, o.queue_timeout_s)  # a slot handed over by _left
+        except TimeoutError:
+            raise overloaded(
+                f"this replica relays {o.max_inflight} requests already; none ended within {o.queue_timeout_s}s",
+                o.retry_after_s,
+            ) from None
+        finally:
+            self.metrics.queued.dec()
+            if turn in self._waiting:  # it gave up in line (timed out, or cancelled)
+                self._waiting.remove(turn)
+
     def _left(self) -> None:
+        while self._waiting:  # the slot passes to the first still waiting
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
         self.inflight -= 1
         self.metrics.inflight.dec()
 

@@ -55,6 +55,7 @@ class GatewayMetrics:
             "kvstream_gateway_worker_up", "1 while a worker may take requests (breaker closed or trial free)", ["worker"], registry=r
         )
         self.inflight = Gauge("kvstream_gateway_inflight", "Requests being relayed by this replica", registry=r)
+        self.queued = Gauge("kvstream_gateway_queued", "Requests waiting for one of max_inflight slots", registry=r)
         self.predicted_cached = Counter(
             "kvstream_gateway_predicted_cached_tokens",
             "Prompt tokens the router predicted cached on the chosen worker (summed), by whether the engine reported "

@@ -66,6 +66,10 @@ class GatewayOptions:
     #: Requests relayed at once by this replica (more: 429), and per worker (0: no limit).
     max_inflight: int = 4096
     max_inflight_per_worker: int = 0
+    #: A request over ``max_inflight`` waits this long for a slot (0: 429 at once),
+    #: with at most ``max_queued`` waiting.
+    queue_timeout_s: float = 0.0
+    max_queued: int = 1024
     #: The ``Retry-After`` of a 429 or 503 (s).
     retry_after_s: int = 1
     #: A worker's breaker opens after this many failures in a row, and lets one trial

@@ -290,6 +290,32 @@ def test_over_the_inflight_limit_is_429(replica: Replica, limit: dict) -> None:
         client.completions.create(model=MODEL, prompt=[1, 2, 3])
 
 
+def test_over_the_limit_a_request_waits_in_line_for_a_slot(replica: Replica) -> None:
+    gate = threading.Event()
+    with running(Backend("a", chunks=2, gate=gate)) as (a,), \
+            serving(replica, [a], max_inflight=1, queue_timeout_s=0.3, max_queued=1) as s:
+        client = s.client()
+        stream = iter(client.completions.create(model=MODEL, prompt=[1, 2], stream=True))
+        next(stream)
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError, match="none ended within"):
+            client.completions.create(model=MODEL, prompt=[1, 2])
+        assert time.monotonic() - t0 >= 0.3
+        # A slot that frees while a request waits goes to it.
+        waited: list[str] = []
+        waiter = threading.Thread(target=lambda: waited.append(
+            client.completions.create(model=MODEL, prompt=[3, 4]).choices[0].text))
+        waiter.start()
+        wait_until(lambda: metric(s, "kvstream_gateway_queued") == 1, "the request never queued")
+        with pytest.raises(openai.RateLimitError):  # the line is full
+            client.completions.create(model=MODEL, prompt=[5, 6])
+        gate.set()
+        list(stream)
+        waiter.join(10)
+        assert waited == ["t0 t1 "]
+        wait_until(lambda: s.gateway.inflight == 0, "a slot was lost in the hand-over")
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "code"),
     [
