@@ -26,7 +26,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvstream.gateway.tokenize import ModelTokenizerConfig
+from kvstream.gateway.options import GatewayOptions
 
 _config_file: Path | None = None
 _warned = False  # unknown KVSTREAM_* variables are reported once per process
@@ -203,13 +203,6 @@ class WorkerSettings(Section):
     offload_blocks_per_chunk: int = Field(1, ge=1)
 
 
-class GatewaySettings(BaseModel):
-    """The OpenAI-compatible gateway of a replica (kvstream.gateway; issue 22)."""
-
-    #: ``[[gateway.models]]``: each model's tokenizer (kvstream.gateway.tokenize).
-    models: list[ModelTokenizerConfig] = Field(default_factory=list)
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVSTREAM_", env_nested_delimiter="__", extra="forbid"
@@ -224,7 +217,9 @@ class Settings(BaseSettings):
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     fold: FoldSettings = Field(default_factory=FoldSettings)
-    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    #: The OpenAI gateway of ``kvstream router`` (``[gateway]``, ``[[gateway.workers]]``):
+    #: validated as kvstream.gateway.options.GatewayOptions, where each option is defined.
+    gateway: GatewayOptions = Field(default_factory=GatewayOptions)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"

@@ -11,7 +11,9 @@
   special tokens the engine adds (``add_special_tokens=True``): those of the
   ``tokenizer.json`` post-processor (transformers ignores ``add_bos_token`` /
   ``add_eos_token`` of ``tokenizer_config.json`` when there is a ``tokenizer.json``).
-- :class:`EngineTokenizer`: asks one worker's ``/tokenize`` (vLLM's API) instead.
+
+Asking the chosen engine's ``/tokenize`` instead is the relay's (``[gateway] tokenize =
+"engine"``, kvstream.gateway.prompts).
 
 The ids of shared prefixes (system prompts, earlier turns) are cached at boundaries
 where the tokenizer provably splits (kvstream.gateway.prefix_cache), so that cached ids
@@ -23,44 +25,24 @@ and inserts, never while tokenizing.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from kvstream.gateway.chat_template import ChatRenderer
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
+from kvstream.gateway.options import DEFAULT_CACHE_BYTES, ModelTokenizerConfig
 from kvstream.gateway.prefix_cache import Anchors, PrefixCache
-from kvstream.gateway.seams import PromptTokenizer, WorkerDirectory
+from kvstream.gateway.seams import PromptTokenizer
 
 if TYPE_CHECKING:  # imported when a tokenizer is loaded: every other command starts faster
-    import httpx
     import tokenizers
 
 #: Token ids are u32 in every engine kvstream bridges.
 MAX_TOKEN_ID = 2**32 - 1
-DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-class ModelTokenizerConfig(BaseModel):
-    """One ``[[gateway.models]]`` entry of the settings."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    #: The model name requests give (``model``).
-    name: str = Field(min_length=1)
-    #: A directory holding ``tokenizer.json`` (and ``tokenizer_config.json``), or a
-    #: ``tokenizer.json`` file (then no chat template unless ``chat_template`` is set).
-    tokenizer: Path
-    #: A jinja chat template file, instead of the one in ``tokenizer_config.json``.
-    chat_template: Path | None = None
-    #: Bytes of token ids and text the prefix cache may hold; 0: no cache.
-    prefix_cache_bytes: int = Field(DEFAULT_CACHE_BYTES, ge=0)
 
 
 def validate_ids(prompt: Sequence[Any]) -> list[int]:
@@ -253,69 +235,6 @@ class LocalTokenizer(PromptTokenizer):
             cache.insert(node, pieces, above)
         ids.extend(rest_ids[skip:])
         return ids
-
-
-# -- asking the engine -----------------------------------------------------------------
-
-#: Body fields of a chat request that vLLM's /tokenize takes.
-_CHAT_TOKENIZE_FIELDS = (
-    "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens", "tools",
-    "chat_template", "chat_template_kwargs", "documents",
-)
-
-
-class EngineTokenizer(PromptTokenizer):
-    """Asks one worker of the model (round robin over those registered) for the ids:
-    vLLM's ``POST /tokenize`` ({"model","prompt"} or {"model","messages",...} →
-    {"tokens"}). One worker per prompt, never all; a failure is a TokenizeError."""
-
-    def __init__(self, directory: WorkerDirectory, model: str, *, timeout_s: float = 10.0,
-                 client: httpx.Client | None = None) -> None:
-        import httpx
-
-        self.model = model
-        self._directory = directory
-        self._client = client or httpx.Client(timeout=timeout_s)
-        self._turn = itertools.count()
-
-    def _ask(self, payload: dict[str, Any]) -> list[int]:
-        import httpx
-
-        serving = [ep for ep in self._directory.endpoints() if ep.serves(self.model)]
-        if not serving:
-            raise TokenizeError(f"no registered worker serves model {self.model!r} to tokenize with")
-        ep = serving[next(self._turn) % len(serving)]
-        headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else {}
-        try:
-            r = self._client.post(f"{ep.url}/tokenize", json=payload, headers=headers)
-        except httpx.HTTPError as exc:
-            raise TokenizeError(f"worker {ep.worker_id} ({ep.url}) could not tokenize: {type(exc).__name__}: {exc}") from None
-        if r.status_code != 200:
-            raise TokenizeError(
-                f"worker {ep.worker_id} ({ep.url}) answered /tokenize with {r.status_code}: {r.text[:300]}"
-            )
-        try:
-            tokens = r.json()["tokens"]
-            if not isinstance(tokens, list):
-                raise TypeError("tokens is not a list")
-            return validate_ids(tokens) if tokens else []
-        except (ValueError, KeyError, TypeError, TokenizeError) as exc:
-            raise TokenizeError(f"worker {ep.worker_id} ({ep.url}) sent a bad /tokenize answer: {exc}") from None
-
-    def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self._ask({"model": self.model, "prompt": prompt, "add_special_tokens": True})
-        if isinstance(prompt, (list, tuple)):
-            return validate_ids(prompt)
-        raise TokenizeError("prompt must be a string or a list of token ids")
-
-    def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
-        payload = {k: body[k] for k in _CHAT_TOKENIZE_FIELDS if k in body}
-        payload["model"] = self.model
-        return self._ask(payload)
-
-    def close(self) -> None:
-        self._client.close()
 
 
 def local_tokenizers(models: Sequence[ModelTokenizerConfig]) -> dict[str, LocalTokenizer]:

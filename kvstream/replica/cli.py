@@ -10,11 +10,14 @@ import socket
 import threading
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import uvicorn
 from pydantic import ValidationError
 
+from kvstream.gateway.errors import GatewayError
+from kvstream.gateway.options import GatewayOptions
 from kvstream.logs import get_logger
 from kvstream.replica.auth import TokenError, Tokens, read_token
 from kvstream.replica.errors import ReplicaError
@@ -22,6 +25,9 @@ from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_pr
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, Settings, SettingsError, explain, load_settings
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
 
 log = get_logger(__name__)
 
@@ -65,6 +71,20 @@ def replica_options(settings: Settings) -> ReplicaOptions:
 
 def http_limits(settings: Settings) -> HttpLimits:
     return HttpLimits(**_pick(HttpLimits, settings.replica.model_dump()))
+
+
+def gateway_for(replica: Replica, options: GatewayOptions) -> Gateway | None:
+    """The replica's OpenAI gateway over the static and the registered workers, with the
+    models' local tokenizers (None when disabled); TokenizerConfigError for a tokenizer
+    that cannot be loaded."""
+    if not options.enabled:
+        return None
+    from kvstream.gateway.app import Gateway
+    from kvstream.gateway.static import FleetDirectory, StaticDirectory
+    from kvstream.gateway.tokenize import local_tokenizers
+
+    directory = FleetDirectory(StaticDirectory(options.workers), replica.registry)
+    return Gateway(replica, directory, options, local_tokenizers(options.models))
 
 
 def is_loopback(host: str) -> bool:
@@ -125,6 +145,9 @@ class _Server(uvicorn.Server):
 @click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), help="File holding the bearer token for every scope.")
 @click.option("--allow-open-bind", is_flag=True, default=None, help="Bind a non-loopback address without any token.")
+@click.option("--gateway/--no-gateway", default=None,
+              help="Serve the OpenAI endpoints (/v1/completions, /v1/chat/completions, /v1/models, /v1/embeddings) "
+              "for the workers of [[gateway.workers]] [gateway].")
 def router(
     config_file: str | None,
     bootstrap: str | None,
@@ -135,11 +158,14 @@ def router(
     token: str | None,
     token_file: Path | None,
     allow_open_bind: bool | None,
+    gateway: bool | None,
 ) -> None:
     """Run a router replica: fold kvstream.events, snapshot it, serve routing over HTTP.
 
     Tokens by scope (client, operator, peer), TLS and the HTTP limits are settings
-    ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); see docs/OPERATIONS.md."""
+    ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); the OpenAI gateway's
+    are [gateway] and its workers [[gateway.workers]] (KVSTREAM_GATEWAY__*); see
+    docs/OPERATIONS.md and the README."""
     try:
         settings = load_settings(config_file, bootstrap=bootstrap)
     except SettingsError as exc:
@@ -177,7 +203,12 @@ def router(
         replica = Replica(settings, options, router_config(settings), on_fatal=on_fatal)
     except ReplicaError as exc:
         raise click.ClickException(f"cannot start the replica: {exc}") from None
-    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs)
+    gw_options = settings.gateway if gateway is None else replace(settings.gateway, enabled=gateway)
+    try:
+        gw = gateway_for(replica, gw_options)
+    except GatewayError as exc:
+        raise click.ClickException(f"cannot start the gateway: {exc}") from None
+    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs, gateway=gw)
     server = _Server(
         server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
     )

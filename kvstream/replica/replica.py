@@ -49,20 +49,21 @@ from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.authority import authority_from_settings
-from kvstream.replica.errors import RecoveryError
+from kvstream.replica.errors import AmbiguousRequestError, RecoveryError
 from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
-from kvstream.replica.request_ids import scoped
+from kvstream.replica.request_ids import scoped, unscoped
 from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.supervisor import RestartPolicy, Supervisor
 from kvstream.replica.record import Record, read_record
 from kvstream.replica.ticks import TickCodec, Ticker
 from kvstream.router import Router, RouterConfig
-from kvstream.router.active import ActiveOp
+from kvstream.router.active import ActiveOp, AddRequest, FreeRequest
 from kvstream.router.core import PromptTokens
-from kvstream.router.errors import RouterError
+from kvstream.router.errors import RouterError, UnknownRequestError
+from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision
 from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.settings import Settings
@@ -78,6 +79,8 @@ CONNECT_TIMEOUT_S = 10.0
 _REF_HEADER = "kvstream-dlq-reference"
 #: On a load op: which running instance of a replica id sent it ("<start ms>:<uuid>").
 _INSTANCE_HEADER = "kvstream-instance"
+#: On an active op that a replica published for the peer that owns the request.
+_SENDER_HEADER = "kvstream-sender"
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +204,8 @@ class Replica:
         self.ready_after_s: float | None = None
         self.recovery_notes: list[str] = []
         self._restored = None
+        #: Client id → the peer replicas with an active request of that id.
+        self._peer_owners: dict[str, set[str]] = {}
         #: Workers dropped at recovery → the epoch they had; ready waits for newer ones.
         self._awaiting_resync: dict[int, int] = {}
         self._awaiting_until = 0.0
@@ -802,13 +807,15 @@ class Replica:
         try:
             if value is None:
                 raise DecodeError("active op record has no value")
-            replica_id, op = self.active_codec.decode(value)
+            owner, op = self.active_codec.decode(value)
         except DecodeError as exc:
             self.metrics.active_errors.labels(reason="undecodable").inc()
             log.warning("bad active op", error=str(exc))
             return
-        if replica_id == self.replica_id:
-            self._own_id_op(headers, timestamp_ms)
+        # The op's sender: its owner, or the replica that took it on the owner's behalf.
+        sender = next((v.decode(errors="replace") for k, v in headers or () if k == _SENDER_HEADER), owner)
+        if sender == self.replica_id:
+            self._own_id_op(headers, timestamp_ms)  # ours (applied when made), or a clash
             return
         with self.lock:
             try:
@@ -816,6 +823,9 @@ class Replica:
                 self.metrics.active_ops.labels(source="peer").inc()
             except RouterError as exc:  # e.g. free of a request that already expired here
                 self.metrics.active_errors.labels(reason=type(exc).__name__).inc()
+                return
+            if owner != self.replica_id:
+                self._note_peer_request(owner, op)
 
     def _own_id_op(self, headers: list | None, timestamp_ms: int) -> None:
         """A load op under this replica's id: ours, an earlier incarnation's (before this
@@ -835,12 +845,35 @@ class Replica:
         else:
             log.error("replica id conflict: the other instance started later and gives up", reason=reason)
 
-    def _share(self, op: ActiveOp) -> None:
+    def _note_peer_request(self, owner: str, op: ActiveOp) -> None:
+        """Which replica owns each client id of the peers' active requests (for a
+        prefill_done or free that reaches this replica instead of the owner)."""
+        client_id = unscoped(op.request_id)
+        if isinstance(op, AddRequest):
+            self._peer_owners.setdefault(client_id, set()).add(owner)
+            if len(self._peer_owners) > 2 * self.router.active_requests() + 1024:  # expired ones
+                self._peer_owners = {
+                    c: live for c, owners in self._peer_owners.items()
+                    if (live := {o for o in owners if self.router.is_active(scoped(o, c))})
+                }
+        elif isinstance(op, FreeRequest):
+            owners = self._peer_owners.get(client_id)
+            if owners is not None:
+                owners.discard(owner)
+                if not owners:
+                    del self._peer_owners[client_id]
+
+    def share(self, op: ActiveOp, owner: str | None = None) -> None:
+        """Publish a load op on kvstream.active for the peer replicas; ``owner``: the
+        replica whose request it is, when this one takes it on its behalf."""
         self.metrics.active_ops.labels(source="local").inc()
+        headers = [(_INSTANCE_HEADER, self._instance_tag)]
+        if owner is not None:
+            headers.append((_SENDER_HEADER, self.replica_id.encode()))
         self._produce(
             "active", self.settings.topics.name("active"),
-            value=self.active_codec.encode(self.replica_id, op), key=op.request_id.encode(),
-            headers=[(_INSTANCE_HEADER, self._instance_tag)],
+            value=self.active_codec.encode(owner or self.replica_id, op), key=op.request_id.encode(),
+            headers=headers,
         )
 
     # -- requests --------------------------------------------------------------------
@@ -855,27 +888,52 @@ class Replica:
         *,
         cache_salt: str | None = None,
         mm: Sequence[MmSpan] = (),
+        candidates: Sequence[WorkerKey] | None = None,
+        share: bool = True,
     ) -> RouteDecision:
+        """Route a prompt (Router.find_best_match: ``candidates`` limits who competes)
+        and share the load it adds; with ``share=False`` the caller shares
+        ``decision.op`` itself (:meth:`share`), e.g. once its request has left."""
         # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
         # request with the same client id is another request.
         key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
             decision = self.router.find_best_match(
-                token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm
+                token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm,
+                candidates=candidates,
             )
-        if decision.op is not None:
-            self._share(decision.op)
+        if share and decision.op is not None:
+            self.share(decision.op)
         return replace(decision, request_id=request_id)
 
     def prefill_done(self, request_id: str) -> None:
-        with self.lock:
-            op = self.router.prefill_done(scoped(self.replica_id, request_id))
-        self._share(op)
+        """The request's first token; a request another replica routed (a load-balanced
+        client) is marked on that replica's behalf."""
+        self._request_op(self.router.prefill_done, request_id)
 
     def free(self, request_id: str) -> None:
+        """The request ended; as prefill_done, for this replica's requests or a peer's."""
+        self._request_op(self.router.free, request_id)
+
+    def _request_op(self, apply: Callable[[str], ActiveOp], request_id: str) -> None:
+        owner = None
         with self.lock:
-            op = self.router.free(scoped(self.replica_id, request_id))
-        self._share(op)
+            try:
+                op = apply(scoped(self.replica_id, request_id))
+            except UnknownRequestError:
+                owners = self._peer_owners.get(request_id, set())
+                if len(owners) != 1:
+                    if owners:
+                        raise AmbiguousRequestError(
+                            f"request {request_id!r} is active on several other replicas ({', '.join(sorted(owners))}): "
+                            "send it to the replica that routed it"
+                        ) from None
+                    raise
+                (owner,) = owners
+                op = apply(scoped(owner, request_id))
+                if isinstance(op, FreeRequest):
+                    self._note_peer_request(owner, op)
+        self.share(op, owner)
 
 
 def _iso(t: float) -> str:

@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import msgspec
@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvstream.hashing import MmSpan
 from kvstream.replica import request_ids, route_body
 from kvstream.replica.auth import Scope, Tokens
-from kvstream.replica.errors import SnapshotError
+from kvstream.replica.errors import AmbiguousRequestError, SnapshotError
 from kvstream.replica.http_limits import BodyLimit, HttpLimits
 from kvstream.replica.peer import stream_snapshot
 from kvstream.replica.replica import Replica
@@ -52,6 +52,9 @@ from kvstream.router.errors import (
     UnknownRequestError,
 )
 from kvstream.router.explain import decision_dict
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
 
 RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
 
@@ -127,16 +130,22 @@ def create_app(
     tokens: Tokens | None = None,
     limits: HttpLimits | None = None,
     docs: bool = False,
+    gateway: Gateway | None = None,
 ) -> FastAPI:
     """The API of ``replica``. ``tokens`` by scope (or ``token`` for every scope; neither:
-    open); ``docs`` serves /docs and /openapi.json."""
+    open); ``docs`` serves /docs and /openapi.json; ``gateway`` adds the OpenAI endpoints
+    (kvstream.gateway.app), running for the app's lifespan."""
     tokens = tokens if tokens is not None else Tokens.build(token)
     limits = limits or HttpLimits()
     parsers: list[ProcessPoolExecutor] = []  # started on the first large body
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
+        if gateway is None:
+            yield
+        else:
+            async with gateway.running():
+                yield
         for pool in parsers:
             pool.shutdown(cancel_futures=True)
 
@@ -254,6 +263,8 @@ def create_app(
         return Response(answer, media_type="application/json")
 
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
+    if gateway is not None:
+        gateway.mount(app, tokens)
     if docs:
         app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
 
@@ -271,7 +282,7 @@ def create_app(
             replica.prefill_done(request_id)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
-        except RouterError as exc:
+        except (RouterError, AmbiguousRequestError) as exc:
             raise HTTPException(409, str(exc)) from None
         return {"request_id": request_id, "state": "decoding"}
 
@@ -281,6 +292,8 @@ def create_app(
             replica.free(request_id)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
+        except AmbiguousRequestError as exc:
+            raise HTTPException(409, str(exc)) from None
         return {"request_id": request_id, "state": "freed"}
 
     @app.get("/v1/workers", dependencies=needs(Scope.OPERATOR))

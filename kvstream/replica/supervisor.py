@@ -13,7 +13,6 @@ non-zero, so that the orchestrator sees it) and the replica stays unready for go
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -122,6 +122,20 @@ class TieredIndex:
         """Every (worker, dp_rank) that has published anything, in slot order."""
         return [k for k in self._keys if k is not None]
 
+    def candidate_keys(self, wanted: Sequence[WorkerKey]) -> list[WorkerKey]:
+        """The routing candidates for ``wanted``: every rank the index knows of their
+        workers, in slot order, then the wanted keys it does not know, in their order."""
+        return [k for k in self.candidate_slots(wanted) if k is not None]
+
+    def candidate_slots(self, wanted: Sequence[WorkerKey]) -> list[WorkerKey | None]:
+        """Per slot, its key when it is a candidate for ``wanted`` (else None), then
+        the wanted keys the index does not know (as slots past the last one: they hold
+        no block)."""
+        ids = {k[0] for k in wanted}
+        slots = [k if k is not None and k.worker_id in ids else None for k in self._keys]
+        known = self._slot_of
+        return slots + [WorkerKey(*k) for k in dict.fromkeys(wanted) if (k[0], k[1]) not in known]
+
     def knows(self, worker_id: int) -> bool:
         return worker_id in self._ranks
 

@@ -10,8 +10,6 @@ import re
 import os
 import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
-from kvstream.gateway.registry import Registration, RegistrationCodec, WorkerRegistry, worker_key
 from kvstream.gateway.prefix_cache import PrefixCache
-from kvstream.gateway.tokenize import EngineTokenizer, LocalTokenizer, ModelTokenizerConfig, local_tokenizers
+from kvstream.gateway.options import ModelTokenizerConfig
+from kvstream.gateway.tokenize import LocalTokenizer, local_tokenizers
 from kvstream.settings import load_settings
 
 from .tokenizer_fixtures import deepseek_tokenizer_json, model_dir  # noqa: F401 (fixtures)
@@ -309,95 +307,6 @@ def test_cache_is_thread_safe(model_dir) -> None:
     for t in threads:
         t.join()
     assert not errors, errors[0]
-
-
-# -- asking the engine ------------------------------------------------------------------
-
-
-class TokenizeServer:
-    """A real HTTP server answering vLLM's ``POST /tokenize`` with a real tokenizer."""
-
-    def __init__(self, tok: LocalTokenizer, status: int = 200) -> None:
-        self.requests: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
-                if status != 200:
-                    data = b'{"error": "engine is sad"}'
-                elif "messages" in body:
-                    data = json.dumps({"tokens": tok.chat_ids(body)}).encode()
-                else:
-                    data = json.dumps({"tokens": tok.completion_ids(body["prompt"])}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def servers(local) -> Iterator[list[TokenizeServer]]:
-    made = [TokenizeServer(local), TokenizeServer(local), TokenizeServer(local, status=500)]
-    yield made
-    for s in made:
-        s.close()
-
-
-def directory(*workers: tuple[int, str, str]) -> WorkerRegistry:
-    reg = WorkerRegistry()
-    codec = RegistrationCodec()
-    for wid, url, model in workers:
-        reg.apply(worker_key(wid), codec.encode(Registration(wid, url, (model,), (), 16, (0,), "vllm", None, 1, 0)))
-    return reg
-
-
-def test_engine_tokenizer_asks_one_worker_per_prompt(local, servers) -> None:
-    a, b, sad = servers
-    eng = EngineTokenizer(directory((1, a.url, "ds"), (2, b.url, "ds"), (3, sad.url, "other")), "ds")
-    try:
-        body = {"model": "ds", "messages": [{"role": "user", "content": "hi <think>"}], "add_generation_prompt": True,
-                "temperature": 0.5}
-        assert eng.chat_ids(body) == local.chat_ids(body)
-        assert eng.completion_ids("hello world") == local.completion_ids("hello world")
-        assert eng.completion_ids([1, 2]) == [1, 2]  # ids need no engine
-        # One request per prompt, spread over the model's workers; never the other model's.
-        assert len(a.requests) == 1 and len(b.requests) == 1 and not sad.requests
-        chat = next(r for r in a.requests + b.requests if "messages" in r)
-        assert chat["path"] == "/tokenize" and "temperature" not in chat and chat["model"] == "ds"
-        completion = next(r for r in a.requests + b.requests if "prompt" in r)
-        assert completion["add_special_tokens"] is True
-    finally:
-        eng.close()
-
-
-def test_engine_tokenizer_failures_are_clear(servers) -> None:
-    _, _, sad = servers
-    cases = [
-        (directory((3, sad.url, "ds")), "answered /tokenize with 500"),
-        (directory((4, "http://127.0.0.1:1", "ds")), "could not tokenize"),
-        (directory((5, sad.url, "other")), "no registered worker serves model 'ds'"),
-    ]
-    for d, message in cases:
-        eng = EngineTokenizer(d, "ds", timeout_s=5)
-        try:
-            with pytest.raises(TokenizeError, match=message):
-                eng.completion_ids("x")
-        finally:
-            eng.close()
 
 
 def test_tokenize_bench_reports_both_paths_of_one_run(deepseek_tokenizer_json) -> None:
