@@ -49,5 +49,5 @@ def test_two_clones_each_run_their_own_code(tmp_path: Path) -> None:
     for clone in clones:  # a set up last must not take b's place, nor b a's
         module, marker = _imports(clone)
         assert module == str(clone / "kvstream" / "__init__.py")
-        assert f"no.such.module{clone.name}" in marker or f"'no'" in marker, marker
+        assert f"no.such.module{clone.name}" in marker or "'no'" in marker, marker
         assert (clone / ".venv").is_dir() and not (clone / ".venv").is_symlink()
