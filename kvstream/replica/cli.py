@@ -20,7 +20,7 @@ from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
-from kvstream.settings import ReplicaSettings, Settings, SettingsError, load_settings
+from kvstream.settings import ReplicaSettings, Settings, SettingsError, load_settings, validation_message
 
 log = get_logger(__name__)
 
@@ -140,7 +140,9 @@ def router(
         )
         scoped_tokens = tokens(settings)
         options = replica_options(settings)
-    except (ValidationError, TokenError) as exc:
+    except ValidationError as exc:
+        raise click.ClickException(f"invalid settings: {validation_message(exc)}") from None
+    except TokenError as exc:
         raise click.ClickException(str(exc)) from None
     r = settings.replica
     if scoped_tokens.open and not is_loopback(r.host) and not r.allow_open_bind:
