@@ -20,7 +20,13 @@ from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
-from kvstream.settings import ReplicaSettings, Settings, SettingsError, load_settings, validation_message
+from kvstream.settings import (
+    ReplicaSettings,
+    Settings,
+    SettingsError,
+    load_settings,
+    validation_message,
+)
 
 log = get_logger(__name__)
 

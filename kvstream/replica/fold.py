@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import (
+    Cleared,
+    EventBatch,
+    Removed,
+    RouterEvent,
+    Stored,
+    Tier,
+)
 from kvstream.logs import get_logger
 from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
 from kvstream.router import Router
