@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -155,6 +155,15 @@ class ReplicaSettings(Section):
     #: After a recovery that dropped workers, stay unready until they resync, at most this long.
     resync_wait_s: float = Field(10.0, ge=0)
     peer_url: str | None = None
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> ReplicaSettings:
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
+                f"max_body_bytes ({self.max_body_bytes}): a body of the largest size could never be read"
+            )
+        return self
 
 
 class FoldSettings(Section):

@@ -143,9 +143,11 @@ def check_kafka_options(options: tuple[tuple[str, str], ...]) -> None:
         Producer(dict(options), logger=quiet)
     except KafkaException as exc:
         message = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
-        for _, value in options:
-            if value:
-                message = message.replace(str(value), "***")
+        for key, value in options:
+            # Any value may be a secret; a very short one is redacted only under a
+            # secret's key (elsewhere it would garble the message's own words).
+            if len(str(value)) >= 3 or any(w in key for w in ("password", "secret", "key", "token", "jaas")):
+                message = message.replace(str(value), "***") if value else message
         raise KafkaConfigError(f"kafka_options: {message}") from None
 
 

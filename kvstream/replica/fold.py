@@ -42,7 +42,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import (
+    Cleared,
+    EventBatch,
+    Removed,
+    RouterEvent,
+    Stored,
+    Tier,
+)
 from kvstream.logs import get_logger
 from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
 from kvstream.router import Router

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from confluent_kafka import Producer
 
 from kvstream.events.codec import EventCodec
@@ -22,15 +21,35 @@ from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import WORKER_FULL, worker_key
 from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH, TICK_HEADER
 from kvstream.settings import Settings
-
 from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http
 from tests.faults.test_http_limits import (
-    CLIENT, NOFILE, OPERATOR, TOKENS, Router, auth, drop_topics, hwm_mib, new_settings, produce as produce_big,
-    raw_request, read_status, spawn, wait_worker,
+    CLIENT,
+    NOFILE,
+    OPERATOR,
+    TOKENS,
+    Router,
+    auth,
+    drop_topics,
+    hwm_mib,
+    new_settings,
+    raw_request,
+    read_status,
+    spawn,
+    wait_worker,
+)
+from tests.faults.test_http_limits import (
+    produce as produce_big,
+)
+from tests.faults.test_log_authority import _produce_raw, _with_fold, chain
+from tests.faults.test_worker_faults import (
+    _last_event_id,
+    blocks,
+    epoch_truth,
+    publisher,
+    store,
+    until,
 )
 from tests.replica.helpers import FakeWorkerLog
-from tests.faults.test_log_authority import _produce_raw, _with_fold, chain
-from tests.faults.test_worker_faults import _last_event_id, blocks, epoch_truth, publisher, store, until
 from tests.replica.test_replica_kafka import produce, start, wait_caught_up
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka]
@@ -269,7 +288,7 @@ def _replay_rebuild(settings: Settings, out: Path) -> str:
     proc = subprocess.run(
         [str(KVSTREAM), "replay", "rebuild", "--bootstrap", str(settings.bootstrap), "--topic-prefix",
          settings.topics.prefix, "--at", "now", "--write-snapshot", str(out)],
-        env=router_env(settings), capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=router_env(settings), capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -469,7 +488,7 @@ def test_kafka_option_errors_are_one_line_without_the_secret(kafka_bootstrap: st
     ):
         env = router_env(Settings(bootstrap=kafka_bootstrap)) | {"KVSTREAM_KAFKA_OPTIONS": options}
         out = subprocess.run([str(KVSTREAM), "router", "--bootstrap", kafka_bootstrap], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, check=False)
         text = out.stdout + out.stderr
         assert out.returncode != 0 and says in text, text
         assert secret not in text and "Traceback" not in text, text
@@ -519,7 +538,6 @@ def test_a_deleted_snapshot_directory_fails_commits_and_is_made_again(kafka_topi
 
 def _requests_by(settings: Settings, requester: str, wait_s: float = 4.0) -> list[dict]:
     from kvstream.events.codec import AvroCodec
-
     from tests.replica.test_replica_kafka import read_all
 
     codec = AvroCodec()
@@ -552,13 +570,14 @@ def test_a_fresh_replica_asks_only_for_resyncs_the_log_has_not_healed(kafka_topi
     try:
         wait_caught_up(fresh, kafka_topics)
         until(lambda: fresh.metrics.resync_requests._value.get() >= 1, "the unhealed resync")
-        asked = _requests_by(kafka_topics, fresh.replica_id)
+        asked = [r["worker_id"] for r in _requests_by(kafka_topics, fresh.replica_id)]
+        assert asked == [83], asked  # not 79: its gap was healed long ago
         healed = fresh.metrics.resyncs_healed._value.get()
     finally:
         fresh.stop()
         pub.close()
-    print(f"FAULTS history_resyncs asked={[r['worker_id'] for r in asked]} healed_not_asked={healed:.0f}")
-    assert [r["worker_id"] for r in asked] == [83] and healed >= 1
+    print(f"FAULTS history_resyncs asked={asked} healed_not_asked={healed:.0f}")
+    assert healed >= 1
 
 
 # -- 7: two replicas given the same replica_id --------------------------------------------

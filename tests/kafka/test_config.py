@@ -17,7 +17,7 @@ from kvstream.kafka.errors import KafkaConfigError, TopicError
 from kvstream.kafka.topics import topic_specs
 from kvstream.settings import Settings, TopicSettings
 
-SECURITY = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN"}
+SECURITY = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "u", "sasl.password": "p"}
 
 
 def test_producer_is_idempotent_acks_all_zstd() -> None:
@@ -53,6 +53,15 @@ def test_passthrough_cannot_override_what_kvstream_owns(key: str) -> None:
     settings = Settings(bootstrap="h:1", kafka_options={key: "x"})
     with pytest.raises(KafkaConfigError, match=key):
         producer_config(settings)
+
+
+def test_passthrough_librdkafka_refuses_is_a_config_error_without_the_values() -> None:
+    with pytest.raises(KafkaConfigError, match='No such configuration property: "no.such.key"'):
+        producer_config(Settings(bootstrap="h:1", kafka_options={"no.such.key": "1"}))
+    bad = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "s3cr3t-value"}
+    with pytest.raises(KafkaConfigError) as info:
+        consumer_config(Settings(bootstrap="h:1", kafka_options=bad))
+    assert "s3cr3t-value" not in str(info.value) and "SASL mechanism" in str(info.value)
 
 
 def test_librdkafka_accepts_the_configs() -> None:
