@@ -243,9 +243,9 @@ class ApplyClock:
 
     def __call__(
         self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool = False,
-        key: bytes | None = None,
+        key: bytes | None = None, problem: str | None = None,
     ) -> Outcome:
-        out = self._apply(partition, offset, timestamp_ms, value, is_tick, key)
+        out = self._apply(partition, offset, timestamp_ms, value, is_tick, key, problem)
         if self.on and not is_tick:
             self.samples.append((timestamp_ms, time.time()))
         return out
