@@ -22,14 +22,7 @@ from typing import Protocol
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from kvstream.events.codec import EventCodec
-from kvstream.events.model import (
-    Cleared,
-    EventBatch,
-    Removed,
-    RouterEvent,
-    Stored,
-    Tier,
-)
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.kafka.config import consumer_config
 from kvstream.replica.fold import LogFold
 from kvstream.replica.replica import Replica, ReplicaOptions
