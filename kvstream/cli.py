@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "worker": "kvstream.worker.cli:worker",
     "replay": "kvstream.tools.replay.cli:replay",
     "simulate": "kvstream.tools.simulate.cli:simulate",
+    "emulate": "kvstream.emulator.cli:emulate",
 }
 
 
