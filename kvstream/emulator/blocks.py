@@ -18,6 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from kvstream.emulator.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+)
+
 _NONE_HASH = b"\0" * 8
 
 
@@ -43,7 +50,7 @@ class BlockPool:
         #: Free blocks, least recently freed first (dict order; O(1) removal by id).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}
-        self.events: list[dict[str, Any]] = []
+        self.events: list[KvEvent] = []
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -89,8 +96,7 @@ class BlockPool:
             if h is not None:
                 self._hash[b] = None
                 del self._cached[h]
-                self.events.append({"type": "BlockRemoved", "block_hashes": [h], "medium": self.medium,
-                                    "group_idx": 0})
+                self.events.append(BlockRemoved([h], self.medium, group_idx=0))
             self._refs[b] = 1
             out.append(b)
         return out
@@ -112,15 +118,8 @@ class BlockPool:
             if h not in self._cached:
                 self._cached[h] = b
                 self._hash[b] = h
-        event: dict[str, Any] = {
-            "type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
-            "token_ids": list(tokens), "block_size": self.block_size, "lora_id": None, "medium": self.medium,
-            "lora_name": None,
-        }
-        if extra_keys is not None:
-            event["extra_keys"] = extra_keys
-        event["group_idx"] = 0
-        self.events.append(event)
+        self.events.append(BlockStored(list(hashes), parent, list(tokens), self.block_size, None, self.medium, None,
+                                       extra_keys=extra_keys, group_idx=0))
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache``: forget every cached block, only when no request
@@ -129,9 +128,9 @@ class BlockPool:
             return False
         self._cached.clear()
         self._hash = [None] * self.num_blocks
-        self.events.append({"type": "AllBlocksCleared"})
+        self.events.append(AllBlocksCleared())
         return True
 
-    def take_events(self) -> list[dict[str, Any]]:
+    def take_events(self) -> list[KvEvent]:
         events, self.events = self.events, []
         return events

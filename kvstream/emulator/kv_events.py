@@ -1,9 +1,8 @@
 """KV events on the wire exactly as vLLM 0.33's ``ZmqEventPublisher`` sends them.
 
 PUB frames: ``(topic, sequence as 8 bytes big-endian, msgpack payload)``; the payload is a
-``KVEventBatch``, an array ``[ts, events, data_parallel_rank]`` whose events are maps
-tagged by ``type`` (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), fields in
-vLLM's order, those at their default left out. The replay ROUTER answers a request
+``KVEventBatch`` (kvstream.emulator.kv_wire), an array ``[ts, events, data_parallel_rank]``
+whose events are maps tagged by ``type``. The replay ROUTER answers a request
 ``(identity, b"", start sequence)`` with every buffered batch from that sequence on,
 ``(identity, b"", topic, seq, payload)``, then the end marker ``(identity, b"", b"", -1,
 b"")``; the buffer keeps the last ``buffer_steps`` batches. Endpoints are bound (the
@@ -23,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from kvstream.emulator.errors import EmulatorConfigError
+from kvstream.emulator.kv_wire import EventBatch, KvEvent
 from kvstream.emulator.options import KvEventsOptions
 from kvstream.logs import get_logger
 
@@ -84,9 +84,9 @@ class KvEventPublisher:
         if self._replay is not None:
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
 
-    def publish(self, events: list[dict[str, Any]]) -> None:
+    def publish(self, events: list[KvEvent]) -> None:
         seq = next(self._seq)
-        payload = self._encoder.encode([time.time(), events, self.options.data_parallel_rank])
+        payload = self._encoder.encode(EventBatch(time.time(), list(events), self.options.data_parallel_rank))
         seq_bytes = seq.to_bytes(8, "big")
         try:
             self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)

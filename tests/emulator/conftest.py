@@ -19,7 +19,6 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-
 from engines.conftest import free_ports
 from engines.engines import EngineKit, kit
 
@@ -57,7 +56,7 @@ class Emulator:
         """The value of a sample of /metrics (summed over label sets)."""
         total, seen = 0.0, False
         for line in self.get("/metrics").splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if line.startswith((name + "{", name + " ")):
                 total += float(line.rsplit(" ", 1)[1])
                 seen = True
         assert seen, f"{name} not in /metrics"
@@ -65,8 +64,8 @@ class Emulator:
 
 
 def start_emulator(*args: str) -> Emulator:
-    base = free_ports(3)
-    events, replay = f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 2}"
+    base = free_ports(5)  # HTTP, then PUB and ROUTER with room for a DP rank's offset of 1
+    events, replay = f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 3}"
     cmd = [KVSTREAM, "emulate", "--port", str(base), "--kv-events-endpoint", events,
            "--kv-events-replay-endpoint", replay, *args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
