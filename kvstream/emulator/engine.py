@@ -19,6 +19,8 @@ from kvstream.emulator.scheduler import EngineRequest, Scheduler, Step
 from kvstream.logs import get_logger
 
 _log = get_logger(__name__)
+#: Behind the timeline by more than this (a stalled loop), the next step starts now.
+_MAX_LAG_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -91,26 +93,33 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------
     async def _run(self) -> None:
         cost, speed = self.options.cost, self.options.speed
+        #: When the previous step ended on the cost model's timeline: back-to-back steps
+        #: start there, not at the (later) wake-up, so sleep overshoot does not add up.
+        timeline: float | None = None
         while True:
             if not self.scheduler.has_work:
+                timeline = None
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
             self._arrived.clear()
             step = self.scheduler.schedule()
             self._gauges()
-            start = time.monotonic()
-            total_ms = step.ms(cost)
+            now = time.monotonic()
+            start = now if timeline is None or now - timeline > _MAX_LAG_S else timeline
             done = step.steps
+            end = start + step.ms(cost) / 1000 / speed
             if step.steps > 1:
                 try:
-                    await asyncio.wait_for(self._arrived.wait(), total_ms / 1000 / speed)
+                    await asyncio.wait_for(self._arrived.wait(), max(0.0, end - now))
                     done = self._steps_by(step, (time.monotonic() - start) * speed * 1000)
-                    await asyncio.sleep(max(0.0, start + step.ms(cost, done) / 1000 / speed - time.monotonic()))
+                    end = start + step.ms(cost, done) / 1000 / speed
+                    await asyncio.sleep(max(0.0, end - time.monotonic()))
                 except TimeoutError:
                     pass
             else:
-                await asyncio.sleep(total_ms / 1000 / speed)
+                await asyncio.sleep(max(0.0, end - now))
+            timeline = end
             self._finish(step, done)
 
     def _steps_by(self, step: Step, elapsed_ms: float) -> int:
