@@ -49,7 +49,9 @@ class BlockPool:
         self._hash: list[int | None] = [None] * num_blocks
         #: Free blocks, least recently freed first (dict order; O(1) removal by id).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}
+        #: hash → the blocks cached under it (two requests may compute the same block:
+        #: vLLM keeps both, and a lookup takes the first).
+        self._cached: dict[int, dict[int, None]] = {}
         self.events: list[KvEvent] = []
 
     # -- queries ------------------------------------------------------------------------
@@ -66,10 +68,10 @@ class BlockPool:
         """The cached blocks of the longest prefix of ``hashes``."""
         found: list[int] = []
         for h in hashes:
-            b = self._cached.get(h)
-            if b is None:
+            blocks = self._cached.get(h)
+            if blocks is None:
                 break
-            found.append(b)
+            found.append(next(iter(blocks)))
         return found
 
     def can_take(self, hits: Sequence[int], new: int) -> bool:
@@ -94,8 +96,12 @@ class BlockPool:
             b, _ = self._free.popitem(last=False)
             h = self._hash[b]
             if h is not None:
+                # vLLM announces each evicted block, even when another copy keeps the hash.
                 self._hash[b] = None
-                del self._cached[h]
+                copies = self._cached[h]
+                del copies[b]
+                if not copies:
+                    del self._cached[h]
                 self.events.append(BlockRemoved([h], self.medium, group_idx=0))
             self._refs[b] = 1
             out.append(b)
@@ -112,12 +118,10 @@ class BlockPool:
               tokens: Sequence[int], extra_keys: list[tuple[Any, ...] | None] | None) -> None:
         """Register newly full ``blocks`` under ``hashes`` and record one ``BlockStored``
         for them (``tokens``: their token ids; ``parent``: the hash before the first).
-        A hash already cached by another block (two requests computing the same prefix
-        at once) keeps its first block, as vLLM's lookup does; the event still names it."""
+        A hash another block already caches gets a second copy, as in vLLM."""
         for b, h in zip(blocks, hashes, strict=True):
-            if h not in self._cached:
-                self._cached[h] = b
-                self._hash[b] = h
+            self._cached.setdefault(h, {})[b] = None
+            self._hash[b] = h
         self.events.append(BlockStored(list(hashes), parent, list(tokens), self.block_size, None, self.medium, None,
                                        extra_keys=extra_keys, group_idx=0))
 
