@@ -14,7 +14,9 @@ from kvstream.engine_model.costs import CostModel
 
 from .conftest import Emulator
 
-SPEED = 4.0
+#: Slow enough that the request's own handling (JSON of 20k ids on a loaded 2-core
+#: machine) is small against the modelled times.
+SPEED = 2.0
 
 
 def timed_stream(emu: Emulator, prompt: list[int], max_tokens: int) -> tuple[float, float]:
@@ -38,8 +40,8 @@ def test_long_prompt_ttft_and_decode_follow_the_cost_model(emulator_factory: Cal
     prefill_s = sum(cost.step_ms(c, 0, 0) for c in chunks) / 1000 / SPEED
     decode_s = cost.decode_steps_ms(199, 1, n) / 1000 / SPEED
     ttft, e2e = timed_stream(emu, list(range(n)), 200)
-    assert prefill_s <= ttft <= prefill_s * 1.1 + 0.06, (ttft, prefill_s)
-    assert decode_s * 0.95 <= e2e - ttft <= decode_s * 1.1 + 0.03, (e2e - ttft, decode_s)
+    assert prefill_s <= ttft <= prefill_s * 1.1 + 0.1, (ttft, prefill_s)
+    assert decode_s * 0.95 <= e2e - ttft <= decode_s * 1.1 + 0.05, (e2e - ttft, decode_s)
     # The engine's own histogram saw the same first token.
     assert prefill_s <= emu.metric("vllm:time_to_first_token_seconds_sum") <= ttft
 
@@ -53,7 +55,7 @@ def test_cached_prefix_is_not_prefilled_again(emulator_factory: Callable[..., Em
     expected = cost.step_ms(16, 0, 0) / 1000 / SPEED
     b = cost.max_batch_tokens  # 16,000 tokens uncached: two chunks
     full = (cost.step_ms(b, 0, 0) + cost.step_ms(len(prompt) - b, 0, 0)) / 1000 / SPEED
-    assert full <= uncached and expected <= ttft <= expected + 0.06 < full / 2, (ttft, expected, uncached)
+    assert full <= uncached and expected <= ttft <= min(expected + 0.1, full / 3), (ttft, expected, uncached)
 
 
 def test_arrival_cuts_a_decode_run_at_the_next_step(emulator_factory: Callable[..., Emulator]) -> None:
@@ -66,4 +68,4 @@ def test_arrival_cuts_a_decode_run_at_the_next_step(emulator_factory: Callable[.
         ttft, _ = timed_stream(emu, [2] * 16, 1)
     finally:
         long.join(30)
-    assert ttft < 0.02 + 0.02 + 0.05, ttft  # the step in flight, its own step, slack
+    assert ttft < 0.15, ttft  # the step in flight and its own (40 ms), slack; not the run's 320 ms
