@@ -4,11 +4,11 @@ A step has a token budget (``--max-num-batched-tokens``). Running requests come 
 decoding ones take one token each, then partly prefilled prompts take the next chunk of
 theirs; then waiting requests are admitted first come first served while the budget, the
 batch limit (``--max-num-seqs``) and free blocks allow, each looking up its cached prefix
-(at least the last prompt token is computed: it makes the first output token). A running
-request that cannot get a block preempts the newest running one (its blocks are freed, it
-waits again at the head of the queue, as vLLM's recompute preemption). Blocks are cached
-as soon as a step's tokens fill them (prompt and output alike). The step's time is the
-cost model's (kvstream.engine_model.costs): prefilled tokens, decoding requests and their
+(at least the last prompt token is computed: it makes the first output token). Blocks are
+cached (prompt and output blocks alike) when the step that computes them is scheduled, as
+vLLM caches them. A running request that cannot get a block preempts the newest running
+one (its blocks are freed, it waits again at the head of the queue, as vLLM's recompute
+preemption). The step's time is the cost model's (kvstream.engine_model.costs): prefilled tokens, decoding requests and their
 context. When only decodes run and nothing waits, several steps are taken at once, up to
 the first that needs a block or finishes a request (``decode_steps``): the same times,
 fewer wake-ups.
@@ -157,6 +157,7 @@ class Scheduler:
             else:
                 scheduled[req] = n
                 budget -= n
+                self._cache_full(req, req.num_computed + n)
         work = list(scheduled.items())
         while self.waiting and budget > 0 and len(self.running) < self.cost.batch_limit and not preempted:
             req = self.waiting[0]
@@ -179,10 +180,12 @@ class Scheduler:
             self.running.append(req)
             work.append((req, n))
             budget -= n
+            # Cached now, as vLLM's allocate_slots caches: a request admitted later in the
+            # same step already finds these blocks (their KV is written, layer by layer,
+            # before any attention of the step reads it).
+            self._cache_full(req, req.num_computed + n)
         prefill = sum(n for r, n in work if r.num_computed < len(r.prompt))
         dec = [r for r, n in work if r.num_computed >= len(r.prompt)]
-        for req, n in work:
-            self._cache_full(req, req.num_computed + n)
         return Step(tuple(work), 1, prefill, len(dec), sum(r.num_computed for r in dec))
 
     def complete(self, step: Step, steps: int | None = None) -> StepOutput:
