@@ -118,5 +118,5 @@ class EngineTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._hf is not None:
-            return str(self._hf.decode(list(ids)))
+            return str(self._hf.decode(list(ids), skip_special_tokens=False))  # placeholders stay visible
         return " x" * len(ids)
