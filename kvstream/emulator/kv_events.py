@@ -97,16 +97,20 @@ class KvEventPublisher:
     async def _serve_replay(self) -> None:
         assert self._replay is not None
         while True:
-            frames = await self._replay.recv_multipart()
-            if len(frames) != 3:
-                _log.warning("kv_events.bad_replay_request", frames=len(frames))
-                continue
-            ident, _, start = frames
-            first = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= first:
-                    await self._replay.send_multipart((ident, b"", self._topic, seq.to_bytes(8, "big"), payload))
-            await self._replay.send_multipart((ident, b"", b"", _END_SEQ, b""))
+            try:
+                frames = await self._replay.recv_multipart()
+                if len(frames) != 3:
+                    _log.warning("kv_events.bad_replay_request", frames=len(frames))
+                    continue
+                ident, _, start = frames
+                first = int.from_bytes(start, "big")
+                for seq, payload in list(self._buffer):
+                    if seq >= first:
+                        await self._replay.send_multipart((ident, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                await self._replay.send_multipart((ident, b"", b"", _END_SEQ, b""))
+            except zmq.ZMQError as exc:
+                # One subscriber's failed replay must not end replays for the others.
+                _log.warning("kv_events.replay_failed", error=str(exc))
 
     def close(self) -> None:
         if self._task is not None:

@@ -86,21 +86,24 @@ class Api:
                                                            req.cached_tokens or 0))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            first = True
-            while True:
-                n = await ticket.next_tokens()
-                if not n:
-                    break
-                done = req.finished and not ticket.pending
-                await resp.write(_sse(protocol.chunk(g, self._text(n), done, first=first)))
-                first = False
-                if done:
-                    break
-            if g.include_usage:
-                await resp.write(_sse(protocol.usage_chunk(g, req.num_output, req.cached_tokens or 0)))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            try:
+                await resp.prepare(request)
+                first = True
+                while True:
+                    n = await ticket.next_tokens()
+                    if not n:
+                        break
+                    done = req.finished and not ticket.pending
+                    await resp.write(_sse(protocol.chunk(g, self._text(n), done, first=first)))
+                    first = False
+                    if done:
+                        break
+                if g.include_usage:
+                    await resp.write(_sse(protocol.usage_chunk(g, req.num_output, req.cached_tokens or 0)))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass  # the client went away mid-stream: the request is aborted below
             return resp
         finally:
             self.engine.abort(ticket)

@@ -3,6 +3,9 @@ shapes, usage with cached tokens from the prefix cache, its error body, /metrics
 
 from __future__ import annotations
 
+import socket
+import time
+import urllib.request
 from collections.abc import Callable
 
 import openai
@@ -71,8 +74,6 @@ def test_chat_streaming_and_not(emu: Emulator) -> None:
 
 
 def test_sse_ends_with_done(emu: Emulator) -> None:
-    import urllib.request
-
     req = urllib.request.Request(emu.url + "/v1/completions", data=b'{"prompt": "a b", "max_tokens": 3, "stream": true}',
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
@@ -155,3 +156,24 @@ def test_metrics_have_vllms_names_and_move(emu: Emulator) -> None:
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     text = emu.get("/metrics")
     assert 'model_name="emu-model"' in text and 'engine="0"' in text
+
+
+def test_a_client_that_goes_away_aborts_its_request(emulator_factory: Callable[..., Emulator]) -> None:
+    emu = emulator_factory("--speed", "1", "--max-model-len", "4096")
+    for stream in (True, False):
+        body = f'{{"prompt": [1, 2, 3, 4], "max_tokens": 4000, "stream": {str(stream).lower()}}}'.encode()
+        with socket.create_connection(("127.0.0.1", emu.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 10
+            while emu.metric("vllm:num_requests_running") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        # 4,000 tokens would take 20 s; gone, the request is dropped and its blocks freed.
+        deadline = time.monotonic() + 10
+        while emu.metric("vllm:num_requests_running") or emu.metric("vllm:kv_cache_usage_perc"):
+            assert time.monotonic() < deadline, f"stream={stream}: the request kept running"
+            time.sleep(0.05)
+    assert emu.metric("vllm:request_success_total") == 0
+    status, _ = emu.post("/v1/completions", {"prompt": "still serving", "max_tokens": 2})
+    assert status == 200
