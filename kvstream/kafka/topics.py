@@ -95,6 +95,20 @@ def _admin(settings: Settings) -> AdminClient:
     return AdminClient(admin_config(settings))
 
 
+def topic_id(settings: Settings, topic: str, *, timeout: float = 30.0) -> str | None:
+    """The topic's id (a new one when a topic is deleted and recreated; tells two
+    topics of the same name apart), or None when the broker does not say."""
+    from confluent_kafka import TopicCollection
+
+    admin = _admin(settings)  # held until the answer comes: a dropped client fails its futures
+    try:
+        desc = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout)[topic].result()
+    except KafkaException:
+        return None
+    tid = getattr(desc, "topic_id", None)
+    return str(tid) if tid is not None else None
+
+
 def _broker_count(admin: AdminClient, timeout: float) -> int:
     try:
         return len(admin.list_topics(timeout=timeout).brokers)

@@ -27,6 +27,15 @@ TOO_MANY_WORKERS = "partition_worker_limit"
 # Counter reasons (single events rejected).
 EVENT_TOO_LARGE = "event_block_limit"
 WORKER_FULL = "worker_block_limit"
+PARTITION_FULL = "partition_block_limit"
+
+# The default per-worker block limit, from a real engine's capacity: Llama-3.1-70B keeps
+# 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes = 320 KiB of KV cache a token in
+# BF16, 5 MiB a block of 16 tokens. On an 8 x H200 node (141 GB each) at 90% memory
+# use, after the 141 GB of weights, ~874 GB hold ~167,000 blocks (~334,000 with an FP8
+# KV cache); a 2 TiB host tier adds ~419,000. 2^20 holds both with room for an FP8
+# device tier or ~2.4 TB of disk tier; a larger cache needs max_blocks_per_worker raised.
+DEFAULT_BLOCKS_PER_WORKER = 1 << 20
 
 _NS_PER_MS = 1_000_000
 
@@ -63,6 +72,10 @@ class LogAuthority:
     max_blocks_per_event: int | None = None
     #: Most blocks one worker may hold over all ranks and tiers.
     max_blocks_per_worker: int | None = None
+    #: Most blocks the workers bound to one partition may hold together: the fleet-wide
+    #: budget (times the partition count), per partition so that it depends on one
+    #: partition's records alone.
+    max_blocks_per_partition: int | None = None
     #: Most workers bound to one partition at once.
     max_workers_per_partition: int | None = None
     #: Only these worker ids are accepted (None: any).
@@ -100,6 +113,16 @@ class LogAuthority:
             )
         return None
 
+    def partition_blocks_full(self, held: int, n: int) -> Rejection | None:
+        """Whether a store of ``n`` blocks fits a partition whose workers hold ``held``
+        (an upper bound will do: the fold counts exactly before it rejects)."""
+        if self.max_blocks_per_partition is not None and held + n > self.max_blocks_per_partition:
+            return Rejection(
+                PARTITION_FULL,
+                f"the partition's workers hold {held} blocks; {n} more exceed {self.max_blocks_per_partition}",
+            )
+        return None
+
     def partition_full(self, bound: int) -> Rejection | None:
         """Whether a partition that has ``bound`` workers may take one more."""
         if self.max_workers_per_partition is not None and bound >= self.max_workers_per_partition:
@@ -112,6 +135,7 @@ TRUSTING = LogAuthority()
 
 REASONS: tuple[str, ...] = (
     KEY_MISMATCH, NOT_ALLOWED, EPOCH_AHEAD, LEASE_TOO_LONG, TOO_MANY_WORKERS, EVENT_TOO_LARGE, WORKER_FULL,
+    PARTITION_FULL,
 )
 
 
@@ -127,6 +151,7 @@ def authority_from_settings(settings: FoldSettings) -> LogAuthority:
         max_lease_ms=opt(settings.max_lease_ms),
         max_blocks_per_event=opt(settings.max_blocks_per_event),
         max_blocks_per_worker=opt(settings.max_blocks_per_worker),
+        max_blocks_per_partition=opt(settings.max_blocks_per_partition),
         max_workers_per_partition=opt(settings.max_workers_per_partition),
         allowed_workers=None if settings.allowed_workers is None else frozenset(settings.allowed_workers),
     )

@@ -6,6 +6,7 @@ import gc
 import ipaddress
 import os
 import signal
+import socket
 import threading
 from dataclasses import fields, replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import RouterConfig, SchedulerConfig
-from kvstream.settings import ReplicaSettings, Settings, SettingsError, load_settings
+from kvstream.settings import ReplicaSettings, Settings, SettingsError, explain, load_settings
 
 log = get_logger(__name__)
 
@@ -87,18 +88,31 @@ def server_config(app: object, settings: Settings, limits: HttpLimits, on_reject
     r = settings.replica
     if (r.tls_certfile is None) != (r.tls_keyfile is None):
         raise click.ClickException("TLS needs both tls_certfile and tls_keyfile")
-    limits = replace(limits, max_connections=fit_connections(limits.max_connections))
+    limits = replace(limits, max_connections=fit_connections(limits.max_connections, limits.probe_connections))
     return uvicorn.Config(
         app, host=r.host, port=r.port, log_level="warning",
         # No access log: a line per request would cost more than a routing decision.
         access_log=False,
         http=guarded_protocol(limits, on_reject),
         # A second fence behind the protocol's own cap (which evicts before refusing).
-        limit_concurrency=limits.max_connections + 1,
+        limit_concurrency=limits.max_connections + limits.probe_connections + 1,
         timeout_keep_alive=5,
         ssl_certfile=str(r.tls_certfile) if r.tls_certfile else None,
         ssl_keyfile=str(r.tls_keyfile) if r.tls_keyfile else None,
     )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, saying where it serves once its sockets are bound (the port a ``--port 0``
+    got; nothing when the port is taken: uvicorn says so and the command fails)."""
+
+    replica_id = ""
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            log.info("serving", replica=self.replica_id, host=host, port=port)
 
 
 @click.command("router")
@@ -140,7 +154,9 @@ def router(
         )
         scoped_tokens = tokens(settings)
         options = replica_options(settings)
-    except (ValidationError, TokenError) as exc:
+    except ValidationError as exc:
+        raise click.ClickException(explain(exc, ("replica",))) from None
+    except TokenError as exc:
         raise click.ClickException(str(exc)) from None
     r = settings.replica
     if scoped_tokens.open and not is_loopback(r.host) and not r.allow_open_bind:
@@ -162,19 +178,34 @@ def router(
     except ReplicaError as exc:
         raise click.ClickException(f"cannot start the replica: {exc}") from None
     app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs)
-    server = uvicorn.Server(
+    server = _Server(
         server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
     )
+    server.replica_id = replica.replica_id
+    # Bound before the replica starts: a taken port is one line, not a replica that
+    # recovers, says it is ready, and then fails.
+    try:
+        sock = socket.create_server((r.host, r.port), family=socket.AF_INET6 if ":" in r.host else socket.AF_INET)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot serve on {r.host}:{r.port}: {os.strerror(exc.errno or 0).lower()} (is another process using the port? --port)"
+        ) from None
     try:
         replica.start()
     except Exception as exc:
+        sock.close()
         raise click.ClickException(f"cannot start the replica: {exc}") from None
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    log.info("serving", replica=replica.replica_id, host=settings.replica.host, port=settings.replica.port)
+    # uvicorn handles Ctrl-C while it serves and raises it again once stopped: then this
+    # command ends as every kvstream command does on Ctrl-C (130).
+    interrupted = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     freeze_heap()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         replica.stop()
     if gave_up.is_set():
         raise click.ClickException(f"the replica gave up: {replica.fatal}")
+    if interrupted.is_set():
+        raise KeyboardInterrupt

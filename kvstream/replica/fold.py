@@ -31,13 +31,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.logs import get_logger
-from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
 from kvstream.router import Router
+
+if TYPE_CHECKING:
+    from kvstream.replica.record import Record
 
 _log = get_logger(__name__)
 
@@ -56,9 +59,14 @@ WRONG_PARTITION = "batch_wrong_partition"
 #: An event id that the worker already used, with other content: another producer took
 #: the id (or the worker restarted without a new epoch); the worker is asked to resync.
 ID_CONFLICT = "event_id_conflict"
+#: A worker that had stored no block, removed to make room on a full partition.
+DISPLACED = "worker_displaced"
 #: The fold itself failed on a record (a bug). Deterministic like the rest, so every
 #: replica fails the same way on it: the record is dead-lettered, ingest goes on.
 FOLD_ERROR = "record_fold_error"
+#: A header kvstream reads (kvstream.replica.record) is malformed: counted and the record
+#: dead-lettered by reference; its events still apply (headers are advisory).
+BAD_HEADER = "record_bad_header"
 
 
 #: Records folded per hold of the router lock: a catch-up consume (2,000 records at
@@ -84,6 +92,25 @@ def fold_in_slices(
             apply(records[i : i + step])
 
 
+#: Event ids per (worker, rank) whose digests the fold keeps (kvstream.replica.fold.WorkerLog).
+RECENT_IDS = 32
+_KINDS = {Stored: 1, Removed: 2, Cleared: 3}
+_TIER_CODES = {t: i for i, t in enumerate(Tier)}
+
+
+def event_digest(ev: RouterEvent) -> int:
+    """A digest of an event's content, the same in every process (``hash`` of a str, an
+    enum or None is not), so that snapshots can keep it."""
+    kind = type(ev)
+    if kind is Stored:
+        body: tuple = (ev.parent_hash is None, ev.parent_hash or 0, ev.block_hashes, ev.tokens_hashes)
+    elif kind is Removed:
+        body = (ev.block_hashes,)
+    else:
+        body = ()
+    return hash((_KINDS[kind], ev.dp_rank, _TIER_CODES[ev.tier], ev.epoch, ev.event_id, body))
+
+
 @dataclass(slots=True)
 class WorkerLog:
     """What the fold knows of one worker incarnation."""
@@ -94,9 +121,28 @@ class WorkerLog:
     last_seen_ms: int
     #: dp_rank → last applied event id in this epoch.
     last_ids: dict[int, int] = field(default_factory=dict)
-    #: dp_rank → hash of the event applied last (in memory only: it tells a redelivered
-    #: event from a different one that reuses its id).
-    last_digest: dict[int, int] = field(default_factory=dict)
+    #: dp_rank → {event id: digest} of the last RECENT_IDS events whose id was taken (in
+    #: snapshots too): it tells a redelivered event from another one that reuses its id,
+    #: also when another producer took several ids ahead of the worker.
+    recent: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Whether a store of this epoch was accepted: a worker counts against its
+    #: partition's worker limit only then (kvstream.replica.fold.LogFold._displace_blockless).
+    stored: bool = False
+
+    def conflicts(self, ev: RouterEvent) -> bool:
+        """Whether ``ev`` reuses an id of the recent window with other content (an
+        older id, outside the window, is taken for a redelivery)."""
+        seen = self.recent.get(ev.dp_rank)
+        digest = seen.get(ev.event_id) if seen else None
+        return digest is not None and digest != event_digest(ev)
+
+    def remember(self, ev: RouterEvent) -> None:
+        seen = self.recent.get(ev.dp_rank)
+        if seen is None:
+            seen = self.recent[ev.dp_rank] = {}
+        seen[ev.event_id] = event_digest(ev)
+        if len(seen) > RECENT_IDS:
+            del seen[next(iter(seen))]  # ids only grow: the first is the oldest
 
     def outranks(self, epoch: int, partition: int) -> bool:
         """Whether this incarnation is greater than (epoch, partition): a higher epoch,
@@ -125,9 +171,16 @@ class LogFold:
     """Folds records of the events topic into ``router``. Single writer."""
 
     def __init__(
-        self, router: Router, decode: Callable[[bytes], EventBatch], authority: LogAuthority = TRUSTING
+        self,
+        router: Router,
+        decode: Callable[[bytes], EventBatch],
+        authority: LogAuthority = TRUSTING,
+        on_expired: Callable[[int, int], None] | None = None,
     ) -> None:
         self.router = router
+        #: Told (worker id, log time ms) of each expiry: replay re-applies the removal
+        #: of the worker's requests at that time among the active ops.
+        self._on_expired = on_expired
         self._decode = decode
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
@@ -139,8 +192,22 @@ class LogFold:
         self._deadlines: dict[int, list[tuple[int, int]]] = {}
         #: Workers bound to each partition (for the per-partition limit).
         self._bound: Counter[int] = Counter()
+        #: (last seen ms, worker id) per partition of incarnations that had stored
+        #: nothing when pushed: who makes room for a newcomer; stale entries are skipped
+        #: lazily, as for the deadlines.
+        self._blockless: dict[int, list[tuple[int, int]]] = {}
+        #: Per partition, an upper bound of the blocks its workers hold (stores added,
+        #: nothing taken off): counted exactly only when the budget would reject a store.
+        self._partition_held: dict[int, int] = {}
 
     # -- records ---------------------------------------------------------------------
+
+    def apply(self, record: Record) -> Outcome:
+        """Apply a record read by kvstream.replica.record.read_record."""
+        return self.apply_record(
+            record.partition, record.offset, record.timestamp_ms, record.value, record.is_tick, record.key,
+            record.problem,
+        )
 
     def apply_record(
         self,
@@ -150,9 +217,24 @@ class LogFold:
         value: bytes | None,
         is_tick: bool = False,
         key: bytes | None = None,
+        problem: str | None = None,
     ) -> Outcome:
         """Apply the record at ``offset`` of ``partition`` (records must come in offset
-        order per partition); ``key`` is the record's key."""
+        order per partition); ``key`` is the record's key, ``problem`` what was wrong
+        with its headers (kvstream.replica.record)."""
+        outcome = self._apply_record(partition, offset, timestamp_ms, value, is_tick, key)
+        if problem is None:
+            return outcome
+        self.counters[BAD_HEADER] += 1
+        note = f"{BAD_HEADER}: {problem}"
+        return Outcome(
+            note if outcome.dlq_reason is None else f"{note}; {outcome.dlq_reason}",
+            outcome.resync, outcome.applied_events,
+        )
+
+    def _apply_record(
+        self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool, key: bytes | None
+    ) -> Outcome:
         part = self.partitions.get(partition)
         if part is None:
             part = self.partitions[partition] = PartitionState()
@@ -191,8 +273,7 @@ class LogFold:
         resync: list[int] = []
         if log is not None and log.outranks(batch.epoch, partition):
             if batch.epoch < log.epoch:
-                self.counters[STALE_EPOCH] += 1
-                return Outcome(dlq_reason=f"{STALE_EPOCH}: epoch {batch.epoch} < {log.epoch}")
+                return self._stale(wid, batch.epoch, log.epoch)
             self.counters[WRONG_PARTITION] += 1
             return Outcome(
                 dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {batch.epoch} is bound to partition "
@@ -202,7 +283,7 @@ class LogFold:
         if log is None or log.epoch != batch.epoch or log.partition != partition:
             if log is None or log.partition != partition:
                 full = self.authority.partition_full(self._bound[partition])
-                if full is not None:
+                if full is not None and not self._displace_blockless(partition):
                     self.counters[full.reason] += 1
                     return Outcome(dlq_reason=str(full))
                 heapq.heappush(self._deadlines.setdefault(partition, []), (ts + batch.lease_ms, wid))
@@ -211,8 +292,10 @@ class LogFold:
                 # A new incarnation replaces the old one even if its `cleared` was lost;
                 # on the same partition the old lease entry serves the new incarnation.
                 self.router.index.clear_worker(wid)
-                self._bound[log.partition] -= 1
+                if log.partition != partition:
+                    self._bound[log.partition] -= 1
             log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
+            heapq.heappush(self._blockless.setdefault(partition, []), (ts, wid))
             if batch.events and type(batch.events[0]) is not Cleared:
                 self.counters[NO_CLEARED] += 1
                 resync.append(wid)
@@ -227,7 +310,6 @@ class LogFold:
         apply_event = self.router.apply_event
         check_event = self.authority.check_event
         last_ids = log.last_ids
-        last_event: dict[int, RouterEvent] = {}
         # Blocks the worker holds, an upper bound (stores added, removes not taken off):
         # counted exactly only when the bound would reject a store.
         held = index.worker_blocks(wid)
@@ -235,7 +317,7 @@ class LogFold:
             last = last_ids.get(ev.dp_rank)
             if last is not None:
                 if ev.event_id <= last:
-                    if ev.event_id == last and log.last_digest.get(ev.dp_rank, hash(ev)) != hash(ev):
+                    if log.conflicts(ev):
                         self.counters[ID_CONFLICT] += 1
                         rejected.append(f"event {i} (id {ev.event_id}): {ID_CONFLICT}")
                         if wid not in resync:
@@ -248,11 +330,13 @@ class LogFold:
                     if wid not in resync:
                         resync.append(wid)
             last_ids[ev.dp_rank] = ev.event_id
-            last_event[ev.dp_rank] = ev
+            log.remember(ev)
             too_big = check_event(ev, held)
             if too_big is not None and too_big.reason == WORKER_FULL:
                 held = index.worker_blocks(wid)
                 too_big = check_event(ev, held)
+            if too_big is None and type(ev) is Stored:
+                too_big = self._partition_budget(partition, len(ev.block_hashes))
             if too_big is not None:
                 self.counters[too_big.reason] += 1
                 rejected.append(f"event {i} (id {ev.event_id}): {too_big}")
@@ -262,11 +346,10 @@ class LogFold:
                 applied += 1
                 if type(ev) is Stored:
                     held += len(ev.block_hashes)
+                    log.stored = True
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        for rank, ev in last_event.items():
-            log.last_digest[rank] = hash(ev)
         if not known and not announced and index.knows(wid):
             # A worker becomes a candidate by an accepted store or its `cleared` (an
             # empty cache is a real worker); rejected stores and removes of blocks it
@@ -277,6 +360,59 @@ class LogFold:
             resync=tuple(resync),
             applied_events=applied,
         )
+
+    def _stale(self, wid: int, epoch: int, held: int) -> Outcome:
+        """A batch under an older epoch than the one the log accepted for its worker: a
+        zombie of an old incarnation, or the live worker behind an epoch that someone
+        forged ahead of it (a plausible one passes the authority). Either way the live
+        worker must start an epoch above the held one: it is asked to resync (the
+        request says which epoch to outrank; the replica rate-limits requests)."""
+        self.counters[STALE_EPOCH] += 1
+        return Outcome(
+            dlq_reason=f"{STALE_EPOCH}: epoch {epoch} < {held} (the worker is asked to resync above it)",
+            resync=(wid,),
+        )
+
+    def _displace_blockless(self, partition: int) -> bool:
+        """Make room on a full partition: the worker bound there that has stored nothing
+        in its epoch and was seen least recently (then the lowest id) is removed, so
+        that workers that never publish blocks (phantoms) cannot crowd out real ones.
+        Only the fold's state decides (``stored`` is in snapshots), so every replica
+        removes the same one. False when every worker there has stored blocks."""
+        heap = self._blockless.get(partition)
+        while heap:
+            seen, wid = heapq.heappop(heap)
+            log = self.workers.get(wid)
+            if log is None or log.partition != partition or log.stored:
+                continue  # gone, moved, or a real worker now
+            if log.last_seen_ms != seen:
+                heapq.heappush(heap, (log.last_seen_ms, wid))  # seen since it was pushed
+                continue
+            del self.workers[wid]
+            self._bound[partition] -= 1
+            self.dirty.add(wid)
+            if self.router.index.knows(wid):
+                self.router.remove_worker(wid)
+            self.counters[DISPLACED] += 1
+            return True
+        return False
+
+    def _partition_budget(self, partition: int, n: int) -> Rejection | None:
+        """The fleet-wide block budget, per partition: whether a store of ``n`` blocks
+        fits; if so it is added to the partition's bound."""
+        if self.authority.max_blocks_per_partition is None:
+            return None
+        budget = self.authority.partition_blocks_full
+        held = self._partition_held.get(partition)
+        if held is None or budget(held, n) is not None:
+            index = self.router.index
+            held = sum(index.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
+            full = budget(held, n)
+            if full is not None:
+                self._partition_held[partition] = held
+                return full
+        self._partition_held[partition] = held + n
+        return None
 
     # -- leases ----------------------------------------------------------------------
 
@@ -296,6 +432,8 @@ class LogFold:
             self.dirty.add(wid)
             if self.router.index.knows(wid):
                 self.router.remove_worker(wid)
+            if self._on_expired is not None:
+                self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1
 
     # -- restore from a snapshot -------------------------------------------------------
@@ -316,6 +454,8 @@ class LogFold:
                 self.router.index.remove_worker(worker_id)
         self.workers[worker_id] = log
         self._bound[log.partition] += 1
+        if not log.stored:
+            heapq.heappush(self._blockless.setdefault(log.partition, []), (log.last_seen_ms, worker_id))
         heapq.heappush(
             self._deadlines.setdefault(log.partition, []), (log.last_seen_ms + log.lease_ms, worker_id)
         )

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from confluent_kafka import (
@@ -41,9 +42,9 @@ from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import STATUS_HEADER
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
+from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.authority import authority_from_settings
@@ -52,10 +53,11 @@ from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.request_ids import scoped
-from kvstream.replica.snapshot import SnapshotStore, open_store
+from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore, open_store
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.replica.supervisor import RestartPolicy, Supervisor
-from kvstream.replica.ticks import TickCodec, Ticker, is_tick
+from kvstream.replica.record import Record, read_record
+from kvstream.replica.ticks import TickCodec, Ticker
 from kvstream.router import Router, RouterConfig
 from kvstream.router.active import ActiveOp
 from kvstream.router.core import PromptTokens
@@ -69,8 +71,12 @@ log = get_logger(__name__)
 RESYNC_REQUEST = "kvstream.control.ResyncRequest"
 _ERROR_HEADER = "kvstream-error"
 _SOURCE_HEADER = "kvstream-source"
+#: How long a starting replica waits for the broker's first answer (s).
+CONNECT_TIMEOUT_S = 10.0
 #: On a DLQ record that references a too-large original instead of copying it.
 _REF_HEADER = "kvstream-dlq-reference"
+#: On a load op: which running instance of a replica id sent it ("<start ms>:<uuid>").
+_INSTANCE_HEADER = "kvstream-instance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +87,12 @@ class ReplicaOptions:
     #: Take a snapshot after this many applied records, or this many seconds (0: never).
     snapshot_every_records: int = 200_000
     snapshot_every_s: float = 60.0
-    #: Ready when every partition's lag (records) is at most this.
+    #: Ready when every partition's lag (records) is at most this. Once ready, a replica
+    #: that falls further behind (a burst: every replica at once) keeps routing, each
+    #: decision marked stale, unless ``refuse_when_stale``: a slightly stale index routes
+    #: far better than none.
     ready_max_lag: int = 1000
+    refuse_when_stale: bool = False
     #: Records per consume() call.
     consume_batch: int = 2000
     #: Records folded per hold of the router lock (kvstream.replica.fold.FOLD_SLICE).
@@ -136,6 +146,9 @@ class Replica:
         self.settings = settings
         self.options = options or ReplicaOptions()
         self.replica_id = self.options.replica_id
+        #: This process's instance of ``replica_id``: (start, random) orders two of them.
+        self._instance = (int(time.time() * 1000), uuid.uuid4().hex)
+        self._instance_tag = f"{self._instance[0]}:{self._instance[1]}".encode()
         self.router = Router(router_config, clock=clock)
         self.codec = AvroCodec()
         self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
@@ -160,12 +173,21 @@ class Replica:
         # Load ops must reach the peers at once; a replica's few records need no batching.
         self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
         self._lag: dict[int, int] = {}
+        #: Wall-clock time since when the index has been known to be behind (lag past
+        #: ready_max_lag) and since when the broker has not answered, or None.
+        self._behind_since: float | None = None
+        self._broker_down_since: float | None = None
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
         self._worker_status: dict[int, dict] = {}
         self._start_offsets: dict[int, int] = {}
         self._watermarks: Consumer | None = None
         self._ready = threading.Event()
         self._last_resync: dict[int | None, float] = {}
+        #: Each partition's end offset when the replica started: resyncs the fold asks
+        #: for below it are history, requested after catch-up only if still unhealed.
+        self._history_end: dict[int, int] = {}
+        #: worker id → (epoch the fold held when history asked for its resync, why).
+        self._deferred_resync: dict[int, tuple[int, str]] = {}
         self._ticker = Ticker(self.replica_id, self.options.tick_interval_s, self._produce_tick, TickCodec(self.codec))
         self.topic_id: str | None = None
         self.partition_count = 0
@@ -199,11 +221,18 @@ class Replica:
     def stop(self) -> None:
         """Stop the threads, finish the snapshot in progress, flush producers."""
         self._stop.set()
+        # With the broker gone, nothing waits on it: the threads' last commits and the
+        # producer's queue cannot land anyway (positions are only for Kafka's tooling;
+        # the snapshot, taken locally, is what a restart resumes from).
+        down = self._broker_down_since is not None
         for t in self.supervisor.threads:
-            t.join(timeout=30)
+            t.join(timeout=2 if down else 30)
         if self.snapshotter is not None and not self.snapshotter.close(final=True):
             log.error("stopped without a final snapshot: the next start replays more", replica=self.replica_id)
-        self._producer.flush(10)
+        unsent = self._producer.flush(0 if down else 10)
+        if unsent:
+            log.warning("stopped with records not delivered (DLQ, load, ticks)", replica=self.replica_id,
+                        records=unsent, broker_unreachable=down)
         # Release the clients now: a stopped replica must not keep dialling the broker.
         self._producer = None  # type: ignore[assignment]
         if self._watermarks is not None:
@@ -213,7 +242,24 @@ class Replica:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self.supervisor.problems()
+        """Caught up once since start (the start-up gate) and healthy; a live replica
+        behind the log stays ready unless ``refuse_when_stale``."""
+        if not self._ready.is_set() or self.supervisor.problems():
+            return False
+        return not (self.options.refuse_when_stale and self.staleness() is not None)
+
+    def staleness(self) -> dict[str, object] | None:
+        """Why a live replica's index is known to be behind, or None: lag past
+        ``ready_max_lag`` (records, and since when) and/or the broker unreachable (since
+        when). Each routing decision made meanwhile carries it."""
+        out: dict[str, object] = {}
+        if self._behind_since is not None:
+            lagging = {str(p): n for p, n in self._lag.items() if n > self.options.ready_max_lag}
+            out.update(lag_records=sum(lagging.values()), lagging_partitions=lagging,
+                       behind_since=_iso(self._behind_since))
+        if self._broker_down_since is not None:
+            out["broker_unreachable_since"] = _iso(self._broker_down_since)
+        return out or None
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -234,8 +280,10 @@ class Replica:
         """Why ``/readyz`` says 503 (empty when ready)."""
         reasons = self.supervisor.problems()
         lagging = {p: n for p, n in self._lag.items() if n > self.options.ready_max_lag}
-        if lagging:
+        if lagging and (not self._ready.is_set() or self.options.refuse_when_stale):
             reasons.append(f"catching up: lag {lagging} > {self.options.ready_max_lag} records")
+        if self._broker_down_since is not None and self.options.refuse_when_stale:
+            reasons.append(f"broker unreachable since {_iso(self._broker_down_since)}")
         if self._awaiting_resync:
             reasons.append(f"waiting for workers dropped at recovery to resync: {sorted(self._awaiting_resync)}")
         if not reasons and not self._ready.is_set():
@@ -248,14 +296,21 @@ class Replica:
         """Restore the newest valid snapshot, check its offsets against the broker, and
         return the offset to start each partition at."""
         admin = AdminClient(admin_config(self.settings))
-        md = admin.list_topics(self.events_topic, timeout=30)
+        try:
+            md = admin.list_topics(self.events_topic, timeout=CONNECT_TIMEOUT_S)
+        except KafkaException as exc:
+            raise RecoveryError(
+                f"cannot reach Kafka at {admin_config(self.settings)['bootstrap.servers']} within "
+                f"{CONNECT_TIMEOUT_S:.0f} s ({exc.args[0].str() if exc.args else exc}): is the broker up "
+                "(`kvstream broker start`) and the bootstrap right (--bootstrap, KVSTREAM_BOOTSTRAP)?"
+            ) from None
         tmd = md.topics.get(self.events_topic)
         if tmd is None or tmd.error is not None:
             raise RecoveryError(
                 f"topic {self.events_topic} is missing (create it with `kvstream topics create`)"
             )
         self.partition_count = len(tmd.partitions)
-        self.topic_id = _topic_id(admin, self.events_topic)
+        self.topic_id = topic_id(self.settings, self.events_topic)
         loaded = None
         if self._store_note is not None:
             self.metrics.snapshot_fallbacks.labels(skipped="store").inc()
@@ -270,11 +325,16 @@ class Replica:
             if loaded is None and skipped:
                 self.metrics.snapshot_fallbacks.labels(skipped="all").inc()
                 self._note("no snapshot generation is usable: full replay")
+            if loaded is not None and (foreign := self._foreign_snapshot(loaded[0])) is not None:
+                self.metrics.snapshot_fallbacks.labels(skipped="foreign").inc()
+                self._note(f"snapshot refused: {foreign}: full replay")
+                loaded = None
         # Watermarks come from a consumer that never fetches: on the fetching one, each
         # query waits behind a long-poll fetch and stalls ingest.
         self._watermarks = Consumer(consumer_config(self.settings))
         bounds = self._bounds(timeout=30)
         offsets = {p: low for p, (low, _) in bounds.items()}
+        self._history_end = {p: high for p, (_, high) in bounds.items()}
         if loaded is None:
             if any(low > 0 for low, _ in bounds.values()):
                 # Retention already dropped the start of the log: only resync can tell
@@ -308,6 +368,13 @@ class Replica:
         self._restored = meta
         self.metrics.snapshot_loaded_blocks.set(meta.blocks())
         return offsets
+
+    def _foreign_snapshot(self, meta: SnapshotMeta) -> str | None:
+        """Why a snapshot was written for another topic (None: it is this one's). The
+        same name with another id is this topic recreated, which recovery handles."""
+        if meta.topic != self.events_topic:
+            return f"it was written for topic {meta.topic}, not {self.events_topic}"
+        return None
 
     def _bounds(self, timeout: float) -> dict[int, tuple[int, int]]:
         """(earliest, end) offset of every partition; retried while a new topic's
@@ -396,7 +463,8 @@ class Replica:
                 self._housekeeping()
                 self.supervisor.progress("ingest")
         finally:
-            self._positions.final(self.positions())
+            if self._broker_down_since is None:
+                self._positions.final(self.positions())
             consumer.close()
 
     def _assign_new(self, consumer: Consumer) -> None:
@@ -428,32 +496,33 @@ class Replica:
                     log.warning("consume error", error=str(err))
                 continue
             records += 1
-            headers = m.headers()
-            if headers:
-                self._note_worker_status(m.key(), headers)
-            out = fold.apply_record(
-                m.partition(), m.offset(), m.timestamp()[1], m.value(), is_tick(headers), m.key()
-            )
+            record = read_record(m)
+            if record.status is not None:
+                self._note_worker_status(record)
+            out = fold.apply(record)
             m_applied += out.applied_events
             if out.dlq_reason is not None:
-                self._to_dlq(m, out.dlq_reason)
+                self._to_dlq(m, out.dlq_reason, by_reference=record.problem is not None)
             for wid in out.resync:
-                self._request_resync(wid, "event id gap or epoch without cleared")
+                self._fold_resync(m.partition(), m.offset(), wid, out.dlq_reason)
         self.metrics.events_applied.inc(m_applied)
         self.metrics.records.inc(records)
         if self.snapshotter is not None and records:
             self.snapshotter.records_applied(records)
 
-    def _to_dlq(self, m, reason: str) -> None:
-        """Copy a record to the DLQ with the reason; one larger than ``dlq_max_bytes``
-        is referenced instead (where it is, its size and SHA-256), so that the copy can
-        never be refused for its size."""
+    def _to_dlq(self, m, reason: str, by_reference: bool = False) -> None:
+        """Copy a record to the DLQ with the reason; one larger than ``dlq_max_bytes``,
+        or whose headers could not be read (``by_reference``), is referenced instead
+        (where it is, its size and SHA-256), so that the copy can never be refused."""
         self.metrics.dlq.inc()
         value, key = m.value(), m.key()
         source = f"{m.topic()}/{m.partition()}/{m.offset()}"
-        headers = list(m.headers() or [])
+        try:
+            headers = list(m.headers() or [])
+        except Exception:  # noqa: BLE001 - unreadable headers: reference the record
+            headers, by_reference = [], True
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers)
-        if size > self.options.dlq_max_bytes:
+        if by_reference or size > self.options.dlq_max_bytes:
             digest = hashlib.sha256(value or b"").hexdigest()
             self.metrics.dlq_referenced.inc()
             value = json.dumps({
@@ -470,7 +539,7 @@ class Replica:
         large, queue full, ...) is counted and logged; the caller goes on."""
         try:
             self._producer.produce(topic, on_delivery=self._delivery, **kw)
-        except (KafkaException, BufferError) as exc:
+        except Exception as exc:  # noqa: BLE001 - never raise: e.g. a header the client refuses
             error = exc.args[0].name() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else type(exc).__name__
             self.metrics.produce_refused.labels(what=what, error=error).inc()
             log.error("produce refused", what=what, topic=topic, error=str(exc))
@@ -481,7 +550,38 @@ class Replica:
             self.metrics.produce_failures.inc()
             log.error("produce failed", error=str(err))
 
-    def _request_resync(self, worker_id: int | None, reason: str) -> None:
+    def _fold_resync(self, partition: int, offset: int, wid: int, why: str | None) -> None:
+        """The fold asks ``wid`` to resync (a gap, an id conflict, a stale or moved
+        epoch). Read from the log's history (before the end the replica started at), it
+        may have healed long ago: deferred until the replica has caught up, and sent
+        only if the worker has started no newer epoch since (:meth:`_flush_deferred`)."""
+        held = self.fold.workers.get(wid)
+        reason = (why or "event id gap or epoch without cleared").split(";")[0]
+        if offset + 1 < self._history_end.get(partition, 0):
+            if held is not None:
+                self._deferred_resync[wid] = (held.epoch, reason)
+            return
+        self._request_resync(wid, reason, None if held is None else held.epoch)
+
+    def _flush_deferred(self) -> None:
+        """Once caught up with the end the replica started at: request the resyncs that
+        history asked for and the log has not healed (the worker is still at the epoch
+        it had then); drop the rest."""
+        if not self._deferred_resync:
+            return
+        at = self.positions()
+        if any(at.get(p, 0) < end for p, end in self._history_end.items()):
+            return
+        with self.lock:
+            deferred, self._deferred_resync = self._deferred_resync, {}
+            for wid, (epoch, reason) in deferred.items():
+                held = self.fold.workers.get(wid)
+                if held is not None and held.epoch <= epoch:
+                    self._request_resync(wid, f"{reason} (still unhealed on the log)", held.epoch)
+                else:
+                    self.metrics.resyncs_healed.inc()
+
+    def _request_resync(self, worker_id: int | None, reason: str, above_epoch: int | None = None) -> None:
         now = time.monotonic()
         last = self._last_resync.get(worker_id)
         if last is not None and now - last < self.options.resync_min_interval_s:
@@ -491,12 +591,14 @@ class Replica:
         wid = None if worker_id is None else (worker_id - (1 << 64) if worker_id >= 1 << 63 else worker_id)
         value = self.codec.encode(
             RESYNC_REQUEST,
-            {"worker_id": wid, "requester": self.replica_id, "reason": reason,
-             "requested_at_ms": int(time.time() * 1000)},
+            {"worker_id": wid, "requester": self.replica_id, "reason": reason[:500],
+             "requested_at_ms": int(time.time() * 1000),
+             "above_epoch": None if above_epoch is None else (above_epoch - (1 << 64) if above_epoch >= 1 << 63 else above_epoch)},
         )
         self._produce("resync", self.settings.topics.name("control"), value=value)
 
     def _housekeeping(self) -> None:
+        self._flush_deferred()
         with self.lock:
             self._ticker.step(self.fold)
         self._positions.step(self.positions)
@@ -541,34 +643,55 @@ class Replica:
         offsets = self.positions()
         try:
             bounds = self._bounds(timeout=0)
-        except RecoveryError:
-            return  # broker unreachable: keep the last view; readiness unchanged
+        except RecoveryError as exc:
+            # Leases run in log time, so nothing expires while no record arrives: say
+            # that the index is frozen rather than report a lag of 0.
+            if self._broker_down_since is None:
+                self._broker_down_since = time.time()
+                self.metrics.broker_unreachable.set(1)
+                log.error("broker unreachable: routing goes on with the index as it stands, marked stale",
+                          replica=self.replica_id, error=str(exc))
+            self._mark_stale()
+            return
+        if self._broker_down_since is not None:
+            log.warning("broker reachable again", replica=self.replica_id,
+                        after_s=round(time.time() - self._broker_down_since, 1))
+            self._broker_down_since = None
+            self.metrics.broker_unreachable.set(0)
         lag = {}
         for p, (_, high) in bounds.items():
             lag[p] = max(0, high - offsets.get(p, 0))
             self.metrics.lag.labels(partition=str(p)).set(lag[p])
         self._lag = lag
-        if all(v <= self.options.ready_max_lag for v in lag.values()) and not self._resyncs_pending():
-            if not self._ready.is_set():
+        caught_up = all(v <= self.options.ready_max_lag for v in lag.values())
+        if not self._ready.is_set():
+            # The start-up gate: a replica's index is not the fleet's until it has caught up.
+            if caught_up and not self._resyncs_pending():
                 self.ready_after_s = time.monotonic() - self.started_at
                 log.info("ready", replica=self.replica_id, after_s=round(self.ready_after_s, 3))
-            self._ready.set()
-        else:
-            self._ready.clear()
+                self._ready.set()
+            return
+        if caught_up:
+            if self._behind_since is not None:
+                log.info("caught up again", replica=self.replica_id,
+                         after_s=round(time.time() - self._behind_since, 1))
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = time.time()
+            log.warning("behind the log: routing goes on, decisions marked stale", replica=self.replica_id,
+                        lag=sum(lag.values()), ready_max_lag=self.options.ready_max_lag)
+        self._mark_stale()
+
+    def _mark_stale(self) -> None:
+        self.metrics.stale.set(0 if self.staleness() is None else 1)
 
     def lag(self) -> dict[int, int]:
         return dict(self._lag)
 
-    def _note_worker_status(self, key: bytes | None, headers: list) -> None:
+    def _note_worker_status(self, record: Record) -> None:
         """A worker's engine issues (STATUS_HEADER), shown by /v1/workers."""
-        for k, v in headers:
-            if k == STATUS_HEADER and key is not None and len(key) == 8:
-                try:
-                    status = json.loads(v)
-                except ValueError:
-                    continue  # advisory only: a bad header changes nothing
-                if isinstance(status, dict):
-                    self._worker_status[int.from_bytes(key, "big")] = status
+        if record.key is not None and len(record.key) == 8:
+            self._worker_status[int.from_bytes(record.key, "big")] = dict(record.status or {})
 
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
@@ -588,7 +711,7 @@ class Replica:
                     last_seen_ms=wlog.last_seen_ms,
                     engine_issues=self._worker_status.get(wid, {}),
                 )
-        return {"replica_id": self.replica_id, "ready": self.ready, "workers": out}
+        return {"replica_id": self.replica_id, "ready": self.ready, "stale": self.staleness(), "workers": out}
 
     # -- load sharing ----------------------------------------------------------------
 
@@ -609,11 +732,11 @@ class Replica:
                 for m in consumer.consume(500, 0.1):
                     if m.error() is not None:
                         continue
-                    self._apply_peer_op(m.value())
+                    self._apply_peer_op(m.value(), m.headers(), m.timestamp()[1])
         finally:
             consumer.close()
 
-    def _apply_peer_op(self, value: bytes | None) -> None:
+    def _apply_peer_op(self, value: bytes | None, headers: list | None = None, timestamp_ms: int = 0) -> None:
         try:
             if value is None:
                 raise DecodeError("active op record has no value")
@@ -623,6 +746,7 @@ class Replica:
             log.warning("bad active op", error=str(exc))
             return
         if replica_id == self.replica_id:
+            self._own_id_op(headers, timestamp_ms)
             return
         with self.lock:
             try:
@@ -631,11 +755,30 @@ class Replica:
             except RouterError as exc:  # e.g. free of a request that already expired here
                 self.metrics.active_errors.labels(reason=type(exc).__name__).inc()
 
+    def _own_id_op(self, headers: list | None, timestamp_ms: int) -> None:
+        """A load op under this replica's id: ours, an earlier incarnation's (before this
+        one started), or another replica's given the same id, which would silently stop
+        the two sharing load. Of two such instances the one that started later gives up
+        (``kvstream router`` exits non-zero with the reason); the other counts it."""
+        tag = dict(headers or ()).get(_INSTANCE_HEADER)
+        if tag == self._instance_tag or timestamp_ms < self._instance[0] or self.supervisor.fatal is not None:
+            return
+        self.metrics.replica_id_conflicts.inc()
+        start, _, nonce = (tag or b"0:").decode(errors="replace").partition(":")
+        other = (int(start) if start.isdigit() else 0, nonce)
+        reason = (f"another running replica uses replica_id {self.replica_id!r} (instance {other[0]}:{other[1]}): "
+                  "every replica needs its own")
+        if other < self._instance:
+            self.supervisor.give_up(reason)
+        else:
+            log.error("replica id conflict: the other instance started later and gives up", reason=reason)
+
     def _share(self, op: ActiveOp) -> None:
         self.metrics.active_ops.labels(source="local").inc()
         self._produce(
             "active", self.settings.topics.name("active"),
             value=self.active_codec.encode(self.replica_id, op), key=op.request_id.encode(),
+            headers=[(_INSTANCE_HEADER, self._instance_tag)],
         )
 
     # -- requests --------------------------------------------------------------------
@@ -673,14 +816,6 @@ class Replica:
         self._share(op)
 
 
-def _topic_id(admin: AdminClient, topic: str) -> str | None:
-    """The topic's id (changes when a topic is deleted and recreated)."""
-    from confluent_kafka import TopicCollection
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
-    try:
-        futures = admin.describe_topics(TopicCollection([topic]), request_timeout=30)
-        desc = futures[topic].result()
-    except KafkaException:
-        return None
-    tid = getattr(desc, "topic_id", None)
-    return str(tid) if tid is not None else None

@@ -30,6 +30,7 @@ import msgspec
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -141,7 +142,8 @@ def create_app(
 
     app = FastAPI(
         title="kvstream replica", version="1", lifespan=lifespan,
-        docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+        # /docs and /openapi.json, when asked for, are operator endpoints (below).
+        docs_url=None, redoc_url=None, openapi_url=None,
         # The replica reports by Prometheus metrics and its own logs; FastAPI's OpenTelemetry
         # hooks would look for a provider on every request (a tenth of a route's cost).
         telemetry={"tracing": False, "metrics": False, "logs": False},
@@ -198,7 +200,11 @@ def create_app(
         except (SchedulerConfigError, ValueError) as exc:
             raise HTTPException(400, str(exc)) from None
         metrics.route_latency.observe(time.perf_counter() - t0)
-        return orjson.dumps(decision_dict(decision, fields.explain))
+        body = decision_dict(decision, fields.explain)
+        if (stale := replica.staleness()) is not None:
+            metrics.stale_decisions.inc()
+            body["stale"] = stale
+        return orjson.dumps(body)
 
     def route_threads() -> anyio.CapacityLimiter:
         if not routing:
@@ -250,6 +256,14 @@ def create_app(
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
     if docs:
         app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=needs(Scope.OPERATOR))
+        def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=needs(Scope.OPERATOR))
+        def swagger() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API")
 
     @app.post("/v1/requests/{request_id}/prefill_done", dependencies=needs(Scope.CLIENT))
     def prefill_done(request_id: RequestId) -> dict[str, str]:
@@ -315,8 +329,12 @@ def create_app(
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
+        stale = replica.staleness()
+        reasons = replica.not_ready_reasons()
+        if stale is not None and replica.ready:
+            reasons.append(f"serving from a stale index: {stale}")
         body = {"ready": replica.ready, "lag": replica.lag(), "replica_id": replica.replica_id,
-                "reasons": replica.not_ready_reasons()}
+                "reasons": reasons, "stale": stale}
         return JSONResponse(body, status_code=200 if replica.ready else 503)
 
     @app.get("/metrics")

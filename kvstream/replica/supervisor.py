@@ -101,6 +101,11 @@ class Supervisor:
             self.metrics.thread_up.labels(thread=name).set(1)
             log.warning("thread restarting", thread=name, after_s=wait)
 
+    def give_up(self, reason: str) -> None:
+        """Make the replica give up for a reason no restart of a thread can mend (a
+        configuration error seen at run time)."""
+        self._die(reason)
+
     def _die(self, reason: str) -> None:
         self.fatal = reason
         self.metrics.fatal.set(1)

@@ -121,8 +121,13 @@ class Router:
         """Forget a worker: its blocks on every tier and rank, and its active requests."""
         if not self.index.knows(worker_id):
             raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
-        self.active.remove_worker(worker_id)
+        self.drop_requests(worker_id)
         return self.index.remove_worker(worker_id)
+
+    def drop_requests(self, worker_id: int) -> list[str]:
+        """Forget a removed worker's active requests (its load went with it); returns
+        their ids. Replay applies it where the worker was removed among the ops."""
+        return self.active.remove_worker(worker_id)
 
     # -- requests --------------------------------------------------------------------
 

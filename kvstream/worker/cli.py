@@ -62,6 +62,12 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
     help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks. [settings: worker.state_dir]",
 )
 @click.option("--checkpoint-s", type=click.FloatRange(0.1), help="With --state-dir: checkpoint period. [settings: worker.checkpoint_s, default 10]")
+@click.option(
+    "--offload-blocks-per-chunk",
+    type=click.IntRange(1),
+    help="vLLM: the offloading connector's blocks_per_chunk, when its KV events are not self-describing "
+    "(each offload event then names a chunk by its last block). [settings: worker.offload_blocks_per_chunk, default 1]",
+)
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
@@ -90,6 +96,7 @@ def worker(
     block_size: int | None,
     state_dir: Path | None,
     checkpoint_s: float | None,
+    offload_blocks_per_chunk: int | None,
     worker_id: int,
     bootstrap: str | None,
     config: str | None,
@@ -131,6 +138,7 @@ def worker(
         "metrics_port": metrics_port,
         "state_dir": str(state_dir) if state_dir is not None else None,
         "checkpoint_s": checkpoint_s,
+        "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
@@ -166,6 +174,7 @@ def worker(
             topic=topic.encode(),
             flavour=Flavour.AUTO if engine == "zmq" else Flavour(engine),
             block_size=block_size or settings.router.block_size,
+            offload_blocks_per_chunk=ws.offload_blocks_per_chunk,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
