@@ -2,7 +2,9 @@
 
 Requests are checked as vLLM checks them (a wrong type, a prompt over the model length,
 ``stream_options`` without ``stream``: 400 with the OpenAI error body); sampling fields
-are accepted and have no effect (output tokens are placeholders). The output is always
+(temperature, top_p, stop, ...) are accepted and have no effect (output tokens are
+placeholders); what placeholders cannot honour (log probabilities, echo, beam search,
+structured output) is refused by name. The output is always
 ``max_tokens`` long: placeholders are never an end-of-sequence token, so ``min_tokens``
 and ``ignore_eos`` change nothing, and ``finish_reason`` is ``length``.
 """
@@ -73,6 +75,27 @@ def _prompt(body: Mapping[str, Any], tokenizer: EngineTokenizer) -> list[int]:
     return ids
 
 
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """What placeholder tokens cannot honour is refused by name, never silently ignored:
+    log probabilities, echo, beam search, structured output."""
+    wanted = {
+        "logprobs": body.get("logprobs") not in (None, False),
+        "top_logprobs": body.get("top_logprobs") not in (None, 0),
+        "prompt_logprobs": body.get("prompt_logprobs") is not None,
+        "echo": bool(body.get("echo")),
+        "use_beam_search": bool(body.get("use_beam_search")),
+        "best_of": body.get("best_of") not in (None, 1),
+        "suffix": body.get("suffix") is not None,
+        "response_format": isinstance(body.get("response_format"), Mapping)
+        and body["response_format"].get("type") not in (None, "text"),
+        "structured_outputs": body.get("structured_outputs") is not None,
+    }
+    for name, asked in wanted.items():
+        if asked:
+            raise RequestError(f"{name} is not supported by the emulated engine (its output tokens are "
+                               "placeholders)", param=name)
+
+
 def parse(body: Any, *, chat: bool, served: str, max_model_len: int, tokenizer: EngineTokenizer) -> Generation:
     if not isinstance(body, Mapping):
         raise RequestError("the request body must be a JSON object")
@@ -86,6 +109,7 @@ def parse(body: Any, *, chat: bool, served: str, max_model_len: int, tokenizer: 
     include_usage = bool(options and _typed(options, "include_usage", bool, False))
     if _typed(body, "n", int, 1) != 1:
         raise RequestError("the emulator makes one choice per request (n must be 1)", param="n")
+    _refuse_unsupported(body)
     salt = _typed(body, "cache_salt", str)
     if salt == "":
         raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")

@@ -95,6 +95,11 @@ def test_sse_ends_with_done(emu: Emulator) -> None:
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
     ("/tokenize", {"prompt": 3}, "prompt"),
     ("/v1/completions/render", {"prompt": {"a": 1}}, "prompt"),
 ])
