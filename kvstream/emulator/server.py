@@ -1,5 +1,6 @@
 """The emulated engine's HTTP API (aiohttp): vLLM's OpenAI-compatible routes, ``/tokenize``,
-the ``/render`` routes vllm-router calls, ``/health``, ``/v1/models``, ``/metrics``.
+the ``/render`` routes vllm-router calls, ``/health`` (and ``/ping``), ``/version``,
+``/v1/models``, ``/metrics``.
 
 Every failure is an answer: a refused request gets vLLM's error body (400, or 404 for an
 unknown model), an unexpected one a 500 with the same shape (logged); a client that goes
@@ -25,6 +26,8 @@ from kvstream.emulator.tokenizer import EngineTokenizer
 from kvstream.logs import get_logger
 
 _log = get_logger(__name__)
+#: The vLLM release whose API, scheduling and KV events the emulator follows.
+VLLM_VERSION = "0.33.0"
 _ENGINE = web.AppKey("engine", Engine)
 _API = web.AppKey("api", "Api")
 
@@ -132,6 +135,9 @@ class Api:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_VERSION})
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(protocol.model_list(self.options.model, self.options.max_model_len, self.created))
 
@@ -177,6 +183,9 @@ def make_app(options: EmulatorOptions) -> web.Application:
     app.router.add_post("/v1/chat/completions/render", route("render_chat"))
     app.router.add_post("/tokenize", route("tokenize"))
     app.router.add_get("/health", route("health"))
+    app.router.add_get("/ping", route("health"))
+    app.router.add_post("/ping", route("health"))
+    app.router.add_get("/version", route("version"))
     app.router.add_get("/v1/models", route("models"))
     app.router.add_get("/metrics", route("metrics"))
     app.router.add_post("/reset_prefix_cache", route("reset_prefix_cache"))

@@ -3,6 +3,7 @@ shapes, usage with cached tokens from the prefix cache, its error body, /metrics
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import urllib.request
@@ -137,6 +138,7 @@ def test_tokenize_render_models(emu: Emulator) -> None:
     status, chat = emu.post("/v1/chat/completions/render", {"messages": messages})
     _, chat_tok = emu.post("/tokenize", {"messages": messages})
     assert status == 200 and chat["token_ids"] == chat_tok["tokens"] and chat["request_id"].startswith("chatcmpl-")
+    assert json.loads(emu.get("/version")) == {"version": "0.33.0"} and emu.get("/ping") == ""
     models = client(emu).models.list()
     assert [m.id for m in models.data] == ["emu-model"] and models.data[0].owned_by == "vllm"
 
