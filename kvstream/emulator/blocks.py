@@ -138,3 +138,59 @@ class BlockPool:
     def take_events(self) -> list[KvEvent]:
         events, self.events = self.events, []
         return events
+
+
+class HostTier:
+    """vLLM's CPU offloading (``OffloadingConnector``, the native CPU backend, offloaded
+    blocks of the GPU block size) behind G1: every block cached on G1 is also stored
+    here; a prompt's continuation past its G1 hit is loaded from here instead of
+    computed. Least recently stored or loaded blocks go first. Its events are vLLM's
+    default (not self-describing) offload events: one ``BlockStored`` per block naming
+    only its hash (no parent, no tokens, ``block_size`` 0, ``medium`` CPU), and one
+    ``BlockRemoved`` per eviction batch; a consumer resolves them from the GPU events of
+    the same hashes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.events: list[KvEvent] = []
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes``, from the first, are held."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._lru.move_to_end(h)
+
+    def store(self, hashes: Sequence[int]) -> None:
+        """Offload newly computed blocks, as vLLM's ``prepare_store``: those held already
+        are skipped, room is made first by evicting from the LRU end (never a block of
+        this batch), and what still does not fit is not stored."""
+        batch = set(hashes)
+        new = [h for h in dict.fromkeys(hashes) if h not in self._lru]
+        need = len(self._lru) + len(new) - self.capacity
+        evicted: list[int] = []
+        if need > 0:
+            for h in self._lru:
+                if len(evicted) == need:
+                    break
+                if h not in batch:
+                    evicted.append(h)
+            for h in evicted:
+                del self._lru[h]
+            new = new[:self.capacity - len(self._lru)]
+        if evicted:
+            self.events.append(BlockRemoved(evicted, "CPU", group_idx=0))
+        for h in new:
+            self._lru[h] = None
+            self.events.append(BlockStored([h], None, [], 0, None, "CPU", None, group_idx=0))
+
+    def take_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events

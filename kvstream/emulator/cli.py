@@ -30,6 +30,11 @@ _C = CostModel()
 @click.option("--num-gpu-blocks", type=click.IntRange(min=1), default=_E.num_gpu_blocks, show_default=True,
               help="G1 capacity in blocks (vLLM's --num-gpu-blocks-override); 16,384 × 16 tokens is 32 GiB of "
                    "Llama-3-8B KV.")
+@click.option("--num-cpu-blocks", type=click.IntRange(min=0), default=_E.num_cpu_blocks, show_default=True,
+              help="Host (CPU) tier behind G1, in blocks, as vLLM's KV offloading to CPU (its "
+                   "--kv-offloading-size in GiB ÷ 2 MiB per Llama-3-8B block of 16); 0: none.")
+@click.option("--onboard-host-ms-per-token", type=float, default=_C.onboard_host_ms_per_token, show_default=True,
+              help="cost: loading a token's KV from the host tier (128 KiB over ~25 GB/s PCIe).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=_C.batch_limit, show_default=True,
               help="Requests running at once (the cost model's batch limit).")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=2), default=_C.max_batch_tokens,
@@ -58,7 +63,7 @@ _C = CostModel()
 @click.option("--data-parallel-rank", type=click.IntRange(min=0), default=0, show_default=True,
               help="DP rank stamped on every batch (and added to the KV-event ports).")
 def emulate(host: str, port: int, model: str, max_model_len: int, block_size: int, num_gpu_blocks: int,
-            max_num_seqs: int, max_num_batched_tokens: int, prefill_ms_per_token: float, decode_ms_per_token: float,
+            num_cpu_blocks: int, onboard_host_ms_per_token: float, max_num_seqs: int, max_num_batched_tokens: int, prefill_ms_per_token: float, decode_ms_per_token: float,
             decode_ms_per_context_token: float, min_step_ms: float, speed: float, tokenizer: Path | None,
             chat_template: Path | None, kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None,
             kv_events_topic: str, kv_events_buffer_steps: int, data_parallel_rank: int) -> None:
@@ -72,9 +77,12 @@ def emulate(host: str, port: int, model: str, max_model_len: int, block_size: in
             if kv_events_endpoint else None
         cost = CostModel(prefill_ms_per_token=prefill_ms_per_token, decode_ms_per_token=decode_ms_per_token,
                          decode_ms_per_context_token=decode_ms_per_context_token, min_step_ms=min_step_ms,
+                         onboard_host_ms_per_token=onboard_host_ms_per_token,
                          batch_limit=max_num_seqs, max_batch_tokens=max_num_batched_tokens)
-        options = EmulatorOptions(model, max_model_len, block_size, num_gpu_blocks, cost, speed, tokenizer,
-                                  chat_template, events)
+        options = EmulatorOptions(
+            model=model, max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, cost=cost, speed=speed, tokenizer=tokenizer, chat_template=chat_template,
+            kv_events=events)
         asyncio.run(_serve(options, host, port))
     except EngineModelError as exc:
         raise click.ClickException(str(exc)) from None

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kvstream.emulator.blocks import BlockPool
+from kvstream.emulator.blocks import BlockPool, HostTier
 from kvstream.emulator.kv_events import KvEventPublisher
 from kvstream.emulator.metrics import EngineMetrics
 from kvstream.emulator.options import EmulatorOptions
@@ -46,7 +46,8 @@ class Engine:
     def __init__(self, options: EmulatorOptions) -> None:
         self.options = options
         self.pool = BlockPool(options.num_gpu_blocks, options.block_size)
-        self.scheduler = Scheduler(self.pool, options.cost)
+        self.host = HostTier(options.num_cpu_blocks) if options.num_cpu_blocks else None
+        self.scheduler = Scheduler(self.pool, options.cost, self.host)
         self.metrics = EngineMetrics(options.model, options.kv_events.data_parallel_rank if options.kv_events else 0)
         self.publisher = KvEventPublisher(options.kv_events) if options.kv_events else None
         self._tickets: dict[EngineRequest, Ticket] = {}
@@ -141,6 +142,9 @@ class Engine:
         if out.queried:
             m.prefix_queries.inc(out.queried)
             m.prefix_hits.inc(out.hit)
+            if self.host is not None:
+                m.external_queries.inc(out.queried)
+                m.external_hits.inc(out.host_hit)
         made = 0
         for req, n in out.advanced:
             made += n
@@ -174,6 +178,9 @@ class Engine:
             self.scheduler.preemptions = 0
 
     def _publish(self) -> None:
+        # G1's events, then the offloading connector's, as vLLM's scheduler gathers them.
         events = self.pool.take_events()
+        if self.host is not None:
+            events += self.host.take_events()
         if events and self.publisher is not None:
             self.publisher.publish(events)

@@ -33,6 +33,12 @@ class EngineMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.external_queries = counter("vllm:external_prefix_cache_queries",
+                                        "External prefix cache queries from KV connector cross-instance cache "
+                                        "sharing, in terms of number of queried tokens.")
+        self.external_hits = counter("vllm:external_prefix_cache_hits",
+                                     "External prefix cache hits from KV connector cross-instance cache sharing, "
+                                     "in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")

@@ -41,6 +41,9 @@ class EmulatorOptions:
     max_model_len: int = 131_072
     block_size: int = 16
     num_gpu_blocks: int = 16_384
+    #: The host (CPU) tier behind G1, in blocks of ``block_size``; 0: none (vLLM's
+    #: default, no KV offloading).
+    num_cpu_blocks: int = 0
     cost: CostModel = field(default_factory=CostModel)
     #: Wall-clock seconds are cost-model seconds divided by this.
     speed: float = 1.0
@@ -51,6 +54,8 @@ class EmulatorOptions:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_gpu_blocks <= 0 or self.max_model_len <= 0:
             raise EmulatorConfigError("block_size, num_gpu_blocks and max_model_len must be positive")
+        if self.num_cpu_blocks < 0:
+            raise EmulatorConfigError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.max_model_len > self.num_gpu_blocks * self.block_size:
             # vLLM refuses to start when one request of the full length cannot fit.
             raise EmulatorConfigError(

@@ -4,12 +4,14 @@ A step has a token budget (``--max-num-batched-tokens``). Running requests come 
 decoding ones take one token each, then partly prefilled prompts take the next chunk of
 theirs; then waiting requests are admitted first come first served while the budget, the
 batch limit (``--max-num-seqs``) and free blocks allow, each looking up its cached prefix
-(at least the last prompt token is computed: it makes the first output token). Blocks are
+(at least the last prompt token is computed: it makes the first output token), and with a
+host tier (``--num-cpu-blocks``) the continuation held there is loaded instead of
+computed, at the cost model's onboarding cost per token. Blocks are
 cached (prompt and output blocks alike) when the step that computes them is scheduled, as
 vLLM caches them. A running request that cannot get a block preempts the newest running
 one (its blocks are freed, it waits again at the head of the queue, as vLLM's recompute
-preemption). The step's time is the cost model's (kvstream.engine_model.costs): prefilled tokens, decoding requests and their
-context. When only decodes run and nothing waits, several steps are taken at once, up to
+preemption). The step's time is the cost model's (kvstream.engine_model.costs): prefilled
+tokens, loaded tokens, decoding requests and their context. When only decodes run and nothing waits, several steps are taken at once, up to
 the first that needs a block or finishes a request (``decode_steps``): the same times,
 fewer wake-ups.
 """
@@ -21,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.emulator.blocks import BlockPool, block_hash
+from kvstream.emulator.blocks import BlockPool, HostTier, block_hash
 from kvstream.engine_model.costs import CostModel
 
 #: The token id of every output token (output is a placeholder; its length is the point).
@@ -43,7 +45,8 @@ class EngineRequest:
     num_computed: int = 0
     #: Blocks of ``blocks`` already cached (hashed and registered).
     num_cached_blocks: int = 0
-    #: Prompt tokens found in the prefix cache when first scheduled (usage.cached_tokens).
+    #: Prompt tokens found in the prefix cache (G1, then the host tier) when first
+    #: scheduled (usage.cached_tokens, as vLLM counts local and external hits).
     cached_tokens: int | None = None
     first_token: float | None = None
     finished: bool = False
@@ -71,11 +74,13 @@ class Step:
     prefill_tokens: int
     decoding: int
     context: int
+    #: Loading the admitted requests' blocks from the host tier.
+    onboard_ms: float = 0.0
 
     def ms(self, cost: CostModel, steps: int | None = None) -> float:
         k = self.steps if steps is None else steps
         if self.prefill_tokens or self.steps == 1:
-            return cost.step_ms(self.prefill_tokens, self.decoding, self.context)
+            return cost.step_ms(self.prefill_tokens, self.decoding, self.context, self.onboard_ms)
         return cost.decode_steps_ms(k, self.decoding, self.context)
 
 
@@ -85,20 +90,24 @@ class StepOutput:
 
     advanced: tuple[tuple[EngineRequest, int], ...]
     finished: tuple[EngineRequest, ...]
-    #: Prompt tokens looked up and found in the prefix cache by requests first scheduled.
+    #: Prompt tokens looked up and found in G1, and in the host tier, by requests first
+    #: scheduled (vLLM's prefix cache and external prefix cache counters).
     queried: int
     hit: int
+    host_hit: int
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, cost: CostModel) -> None:
+    def __init__(self, pool: BlockPool, cost: CostModel, host: HostTier | None = None) -> None:
         self.pool = pool
         self.cost = cost
+        self.host = host
         self.bs = pool.block_size
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self._queried = 0
         self._hit = 0
+        self._host_hit = 0
         self.preemptions = 0
 
     # -- requests -----------------------------------------------------------------------
@@ -159,24 +168,34 @@ class Scheduler:
                 budget -= n
                 self._cache_full(req, req.num_computed + n)
         work = list(scheduled.items())
+        onboard_ms = 0.0
         while self.waiting and budget > 0 and len(self.running) < self.cost.batch_limit and not preempted:
             req = self.waiting[0]
             first = req.cached_tokens is None
-            hits = self.pool.match(req.hashes[:(req.num_tokens - 1) // self.bs])
+            most = (req.num_tokens - 1) // self.bs
+            hits = self.pool.match(req.hashes[:most])
+            # The continuation on the host tier is loaded, not computed (no budget).
+            loaded = self.host.match(req.hashes[len(hits):most]) if self.host is not None else 0
             hit_tokens = len(hits) * self.bs
-            n = min(req.num_tokens - hit_tokens, budget)
-            new = math.ceil((hit_tokens + n) / self.bs) - len(hits)
+            done = hit_tokens + loaded * self.bs
+            n = min(req.num_tokens - done, budget)
+            new = math.ceil((done + n) / self.bs) - len(hits)
             if not self.pool.can_take(hits, new):
                 break
             self.waiting.popleft()
             self.pool.touch(hits)
+            if loaded:
+                assert self.host is not None
+                self.host.touch(req.hashes[len(hits):len(hits) + loaded])
+                onboard_ms += loaded * self.bs * self.cost.onboard_host_ms_per_token
             req.blocks = hits + (self.pool.allocate(new) or [])
             req.num_cached_blocks = len(hits)
-            req.num_computed = hit_tokens
+            req.num_computed = done
             if first:
-                req.cached_tokens = hit_tokens
+                req.cached_tokens = done
                 self._queried += req.num_tokens
                 self._hit += hit_tokens
+                self._host_hit += loaded * self.bs
             self.running.append(req)
             work.append((req, n))
             budget -= n
@@ -186,7 +205,7 @@ class Scheduler:
             self._cache_full(req, req.num_computed + n)
         prefill = sum(n for r, n in work if r.num_computed < len(r.prompt))
         dec = [r for r, n in work if r.num_computed >= len(r.prompt)]
-        return Step(tuple(work), 1, prefill, len(dec), sum(r.num_computed for r in dec))
+        return Step(tuple(work), 1, prefill, len(dec), sum(r.num_computed for r in dec), onboard_ms)
 
     def complete(self, step: Step, steps: int | None = None) -> StepOutput:
         """The step's end (or, for a multi-step decode, the end of its first ``steps``):
@@ -216,8 +235,9 @@ class Scheduler:
                     self.running.remove(req)
                     self.pool.release(req.blocks)
                     finished.append(req)
-        queried, hit, self._queried, self._hit = self._queried, self._hit, 0, 0
-        return StepOutput(tuple(advanced), tuple(finished), queried, hit)
+        out = StepOutput(tuple(advanced), tuple(finished), self._queried, self._hit, self._host_hit)
+        self._queried = self._hit = self._host_hit = 0
+        return out
 
     # -- blocks -------------------------------------------------------------------------
     def _grow(self, req: EngineRequest, tokens: int) -> bool:
@@ -255,4 +275,6 @@ class Scheduler:
             extra = [(req.cache_salt,)] + [None] * (full - 1)
         self.pool.cache(req.blocks[start:full], req.hashes[start:full], req.hashes[start - 1] if start else None,
                         req.token_slice(start * bs, full * bs), extra)
+        if self.host is not None:
+            self.host.store(req.hashes[start:full])  # offloaded as soon as computed
         req.num_cached_blocks = full

@@ -17,7 +17,7 @@ def test_emulate_bench() -> None:
     r = json.loads(out.output.strip().splitlines()[-1])
     assert r["bench"] == "emulate" and r["requests"] == 4
     assert r["model_makespan_s"] > 0 and r["wall_s"] >= r["model_makespan_s"] * 0.95
-    assert 0 <= r["emulator_cpu_share"] < 1  # /proc counts 10 ms ticks: a tiny run may show none
+    assert r["emulator_cpu_s"] >= 0  # /proc counts 10 ms ticks: too coarse to bound a tiny run
     # Offline, the first request caches the shared 2 blocks and the 3 others find them.
     assert r["model_cached_token_share"] == 3 * 32 / (4 * 64)
     assert 0 < r["cached_token_share"] <= 0.5  # at most the shared half of every prompt

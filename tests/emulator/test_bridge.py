@@ -34,15 +34,15 @@ def overlap(env: Env, worker_id: int, toks: list[int]) -> TierOverlap:  # noqa: 
 
 
 @pytest.fixture
-def bridge(env: Env) -> Iterator[Callable[[Emulator], int]]:  # noqa: F811
+def bridge(env: Env) -> Iterator[Callable[..., int]]:  # noqa: F811
     """Start `kvstream worker --engine vllm` on an emulator; returns its worker id."""
     procs: list[subprocess.Popen[str]] = []
 
-    def start(emu: Emulator) -> int:
+    def start(emu: Emulator, mode: str = "dedup") -> int:
         wid = next(_ids)
         cmd = [KVSTREAM, "worker", "--engine", "vllm", "--worker-id", str(wid), "--bootstrap",
                env.settings.bootstrap, "--endpoint", emu.events, "--replay-endpoint", emu.replay,
-               "--lease-ms", "600000", "--heartbeat-s", "1"]
+               "--lease-ms", "600000", "--heartbeat-s", "1", "--mode", mode]
         envvars = {**os.environ, "KVSTREAM_TOPICS__PREFIX": env.settings.topics.prefix}
         procs.append(subprocess.Popen(cmd, env=envvars, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return wid
@@ -92,3 +92,26 @@ def test_the_bridge_carries_emulated_blocks_to_routing(
         complete(a, list(range(30_000 + k * 1000, 30_000 + k * 1000 + 128)))
     sees(env, a, wa, shared, NO_OVERLAP)
     assert complete(a, shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_the_bridge_resolves_the_host_tier(
+        env: Env, emulator_factory: Callable[..., Emulator], bridge: Callable[[Emulator], int]) -> None:  # noqa: F811
+    """vLLM's default offload events name blocks by hash only: the bridge resolves them from
+    the engine's GPU events, so a prefix G1 lost but the host tier kept is still routed.
+    In passthrough mode each tier is announced as the engine has it (in dedup, the
+    default, a block stays announced once, at tier device, until no tier holds it)."""
+    a = emulator_factory("--speed", "20", "--num-gpu-blocks", "24", "--num-cpu-blocks", "256",
+                         "--max-model-len", "256")
+    b = emulator_factory("--speed", "20", "--num-gpu-blocks", "24", "--max-model-len", "256")
+    wa, wb = bridge(a, "passthrough"), bridge(b, "passthrough")
+    shared = list(range(11_000, 11_128))  # 8 blocks
+    complete(a, shared)
+    sees(env, a, wa, shared, TierOverlap(device=8))
+    for k in range(3):  # 24 more blocks: G1 evicts the shared prefix, the host tier keeps it
+        complete(a, list(range(40_000 + k * 1000, 40_000 + k * 1000 + 128)))
+    sees(env, a, wa, shared, TierOverlap(host_pinned=8))
+    complete(b, list(range(60_000, 60_128)))
+    sees(env, b, wb, shared, NO_OVERLAP)
+    allowed = SchedulerOverrides(allowed_workers=frozenset({wa, wb}))
+    assert env.replica.route(shared + [1, 2, 3], query_only=True, overrides=allowed).worker == WorkerKey(wa, 0)
+    assert complete(a, shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 112  # loaded from the host

@@ -155,3 +155,43 @@ def test_dp_rank_offsets_ports_and_stamps_batches(emulator_factory: Callable[...
     assert batches and all(b.data_parallel_rank == 1 for _, b in batches)
     rhost, rport = emu.replay.rsplit(":", 1)
     assert [seq for _, seq, _ in replay(f"{rhost}:{int(rport) + 1}", 0)] == [s for s, _ in batches]
+
+
+def test_host_tier_offloads_reloads_and_announces_as_vllm(
+        emulator_factory: Callable[..., Emulator], tap_factory: Callable[[str], EventTap], vllm: EngineKit) -> None:
+    """With --num-cpu-blocks every block cached on G1 is offloaded (vLLM's default offload
+    events: the hash only, medium CPU, one per block) and the host tier evicts its least
+    recent blocks to make room (one BlockRemoved per batch)."""
+    emu = emulator_factory("--speed", "20", "--num-gpu-blocks", "8", "--num-cpu-blocks", "9", "--max-model-len", "128")
+    tap = tap_factory(emu.events)
+    a, b, c = (list(range(k * 1000, k * 1000 + 64)) for k in (1, 2, 3))
+    complete(emu, a)
+    complete(emu, b)
+    complete(emu, c)  # G1 (8 blocks) loses a; the host (9 blocks) makes room by dropping a's oldest 3
+    # a's chain is broken on the host at its first block: nothing to load.
+    assert complete(emu, a)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    batches = tap.batches()
+    encoder = msgspec.msgpack.Encoder()
+    for _, bt in batches:
+        assert tap.decoder.decode(encoder.encode(bt)) == bt
+    events = [e for _, bt in batches for e in bt.events]
+    gpu = [e for e in events if isinstance(e, vllm.mod.BlockStored) and e.medium == "GPU"]
+    cpu = [e for e in events if isinstance(e, vllm.mod.BlockStored) and e.medium == "CPU"]
+    assert all(e.block_size == 0 and e.token_ids == [] and e.parent_block_hash is None and len(e.block_hashes) == 1
+               for e in cpu)
+    assert [e.block_hashes[0] for e in cpu[:4]] == gpu[0].block_hashes  # a, offloaded block by block
+    removed_cpu = [h for e in events if isinstance(e, vllm.mod.BlockRemoved) and e.medium == "CPU"
+                   for h in e.block_hashes]
+    assert removed_cpu[:3] == gpu[0].block_hashes[:3]  # c's 4 blocks made room: a's oldest went
+    assert emu.metric("vllm:external_prefix_cache_hits_total") == 0
+
+
+def test_host_tier_hit_survives_g1_eviction(emulator_factory: Callable[..., Emulator]) -> None:
+    emu = emulator_factory("--speed", "20", "--num-gpu-blocks", "8", "--num-cpu-blocks", "64", "--max-model-len", "128")
+    a, b, c = (list(range(k * 1000, k * 1000 + 64)) for k in (1, 2, 3))
+    for p in (a, b, c):
+        complete(emu, p)
+    usage = complete(emu, a)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 48  # G1 lost a, the host had it
+    assert emu.metric("vllm:prefix_cache_hits_total") == 0
+    assert emu.metric("vllm:external_prefix_cache_hits_total") == 48

@@ -69,3 +69,18 @@ def test_arrival_cuts_a_decode_run_at_the_next_step(emulator_factory: Callable[.
     finally:
         long.join(30)
     assert ttft < 0.15, ttft  # the step in flight and its own (40 ms), slack; not the run's 320 ms
+
+
+def test_a_prefix_loaded_from_the_host_tier_costs_its_onboarding(emulator_factory: Callable[..., Emulator]) -> None:
+    emu = emulator_factory("--speed", str(SPEED), "--num-gpu-blocks", "1100", "--num-cpu-blocks", "4000",
+                           "--max-model-len", "16384")
+    cost = CostModel()
+    a, b = list(range(16_000)), list(range(20_000, 36_000))  # 1,000 blocks each
+    timed_stream(emu, a, 1)
+    timed_stream(emu, b, 1)  # takes G1's 100 free blocks, then a's from its tail: a keeps 100
+    ttft, _ = timed_stream(emu, a, 1)
+    loaded = 999 - 100  # the rest of a's cacheable blocks come back from the host tier
+    expected = cost.step_ms(16, 0, 0, loaded * 16 * cost.onboard_host_ms_per_token) / 1000 / SPEED
+    assert expected <= ttft <= expected + 0.1, (ttft, expected)
+    assert emu.metric("vllm:external_prefix_cache_hits_total") == loaded * 16
+    assert emu.metric("vllm:prefix_cache_hits_total") == 100 * 16
