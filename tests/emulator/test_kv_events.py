@@ -195,3 +195,17 @@ def test_host_tier_hit_survives_g1_eviction(emulator_factory: Callable[..., Emul
     assert usage["prompt_tokens_details"]["cached_tokens"] == 48  # G1 lost a, the host had it
     assert emu.metric("vllm:prefix_cache_hits_total") == 0
     assert emu.metric("vllm:external_prefix_cache_hits_total") == 48
+
+
+def test_reset_prefix_cache_clears_g1_with_vllms_event(
+        emulator_factory: Callable[..., Emulator], tap_factory: Callable[[str], EventTap], vllm: EngineKit) -> None:
+    emu = emulator_factory("--speed", "20")
+    tap = tap_factory(emu.events)
+    prompt = list(range(64))
+    complete(emu, prompt)
+    status, _ = emu.post("/reset_prefix_cache", {})
+    assert status == 200
+    assert complete(emu, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    events = [e for _, b in tap.batches() for e in b.events]
+    assert [type(e).__name__ for e in events] == ["BlockStored", "AllBlocksCleared", "BlockStored"]
+    assert isinstance(events[1], vllm.mod.AllBlocksCleared)
