@@ -22,6 +22,7 @@ BENCHES: dict[str, str] = {
     "http": "kvstream.tools.bench.http:http_bench",
     "tokenize": "kvstream.tools.bench.tokenize:tokenize_bench",
     "ingest": "kvstream.tools.bench.ingest:ingest_bench",
+    "emulate": "kvstream.tools.bench.emulate:emulate_bench",
 }
 
 

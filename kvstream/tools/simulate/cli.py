@@ -17,18 +17,21 @@ from typing import Any
 
 import click
 
+from kvstream.engine_model.costs import CostModel
 from kvstream.logs import configure_logging, current_logging
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.policy import RATE_SCOPES
 from kvstream.settings import SettingsError, load_settings
 from kvstream.tools.bench.common import emit
-from kvstream.tools.simulate.engine import CostModel, EngineConfig
+from kvstream.tools.simulate.engine import EngineConfig
 from kvstream.tools.simulate.errors import SimulationError
 from kvstream.tools.simulate.eventlog import EventLog, KafkaEventLog, MemoryEventLog
 from kvstream.tools.simulate.policies import POLICIES
 from kvstream.tools.simulate.reference import lru_reference
 from kvstream.tools.simulate.report import plot, summarize
+from kvstream.tools.simulate.runner import LogFactory, SimClock, SimOptions
+from kvstream.tools.simulate.runner import simulate as run_simulation
 from kvstream.tools.simulate.sweep import (
     SweepPoint,
     describe_window,
@@ -39,8 +42,6 @@ from kvstream.tools.simulate.sweep import (
     saturation_markdown,
     scaled,
 )
-from kvstream.tools.simulate.runner import LogFactory, SimClock, SimOptions, SimResult
-from kvstream.tools.simulate.runner import simulate as run_simulation
 from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
 from kvstream.tools.simulate.workload import WorkloadOptions, generate
 from kvstream.worker.consolidator import Mode

@@ -1,8 +1,10 @@
 """Errors of ``kvstream simulate``: each is printed as one clear message (exit code 2)."""
 
+from kvstream.engine_model.errors import EngineModelError
 
-class SimulationError(Exception):
-    """A simulation that cannot run as asked; the message says why."""
+#: A simulation that cannot run as asked; the message says why. It is the engine model's
+#: error, so that the cost model shared with ``kvstream emulate`` raises it too.
+SimulationError = EngineModelError
 
 
 class TraceError(SimulationError):
