@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "pipeline": "kvstream.tools.bench.pipeline:pipeline_bench",
     "restart": "kvstream.tools.bench.restart:restart_bench",
     "http": "kvstream.tools.bench.http:http_bench",
+    "gateway": "kvstream.tools.bench.gateway:gateway_bench",
 }
 
 
