@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -86,6 +87,46 @@ def test_peer_relays_requests_to_a_backend(peer: str, policy: str) -> None:
             assert proc.cpu_seconds() > 0
         assert proc.popen.poll() is not None
         assert not _group_alive(pgid)
+
+
+@pytest.mark.timeout(900)
+def test_vllm_router_kv_aware_follows_vllms_own_kv_events() -> None:
+    """vllm-router ``kv_aware`` fed by vLLM's own ZmqEventPublisher (the pinned wheel):
+    a prompt goes to the worker whose events say it holds the prompt's blocks (the ids
+    of its ``/v1/completions/render``: the backend's byte tokens)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engines' kit
+    from engines.engines import kit
+
+    vllm = kit("vllm")
+    with start_backends(3, tokens=1) as backends:
+        urls = [b.url for b in backends]
+        ports = [free_port() for _ in urls]
+        publishers = [vllm.publisher(0, p, None) for p in ports]
+        try:
+            kv = {u: f"tcp://127.0.0.1:{p}" for u, p in zip(urls, ports)}
+            options = PeerOptions("vllm-router", "kv_aware", tuple(urls), kv_events=kv, kv_event_model=MODEL)
+            with start_peer(options) as proc, httpx.Client(base_url=proc.url, timeout=10) as client:
+                for holder in (2, 0, 1):
+                    prompt = (f"held by worker {holder}; " * 20)[:8 * 16]
+                    ids = list(prompt.encode())
+                    hashes = [(holder + 1) * 1000 + i for i in range(len(ids) // 16)]
+
+                    def routed() -> int:
+                        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+                        return urls.index(f"http://127.0.0.1:{r.json()['id'].split('-')[1]}")
+
+                    # PUB/SUB drops what is sent before the subscriber joined: publish
+                    # until the router shows it has the blocks.
+                    deadline = time.monotonic() + 30
+                    while True:
+                        publishers[holder].publish(vllm.batch([vllm.stored(hashes, None, ids, 16)]))
+                        time.sleep(0.3)
+                        if routed() == holder or time.monotonic() > deadline:
+                            break
+                    assert [routed() for _ in range(4)] == [holder] * 4
+        finally:
+            for pub in publishers:
+                pub.shutdown()
 
 
 def test_a_taken_port_is_refused() -> None:
