@@ -11,9 +11,10 @@ kvstream.tools.bench.peers). Every front stands in front of the same backends
    when the last is answered) for ``--duration`` seconds, with non-streaming and then
    streaming ``/v1/completions`` of ``--tokens`` tokens (one SSE event each): the peak
    requests/s;
-2. open loop at half the direct peak (non-streaming and streaming, each at half its own
-   direct peak; ``--rate`` overrides the non-streaming one): p50/p99 latency counted
-   from each request's due time. ``added_*``: the front's minus direct's, same run.
+2. open loop, every front (direct included) at the same rate: half the slowest front's
+   peak of that kind (``--rate`` overrides the non-streaming one), so that no front
+   queues and the latency it adds is its own work: p50/p99 counted from each request's
+   due time. ``added_*``: the front's minus direct's, same run.
 
 The front's and the backends' CPU per request come from their process groups during the
 closed loops. On a small shared machine the load generator, the front and the backends
@@ -27,7 +28,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
 
 FRONTS = ("direct", "kvstream", "sglang-router", "vllm-router")
 PATH = "/v1/completions"
+KINDS = ("json", "stream")
 _WORDS = ("the", "cache", "block", "prefix", "worker", "token", "route", "stream", "fleet", "event",
           "replica", "model", "prompt", "engine", "kafka", "index")
 
@@ -135,26 +137,33 @@ def _cpu(procs: Sequence[ManagedProcess]) -> float:
     return sum(p.cpu_seconds() for p in procs)
 
 
-def measure_front(
+def closed_loop(
     url: str, proc: ManagedProcess | None, backends: Sequence[ManagedProcess], bodies: dict[str, list[bytes]],
-    connections: int, open_connections: int, duration: float, rates: dict[str, float] | None,
+    connections: int, duration: float,
 ) -> dict[str, Any]:
-    """Closed-loop peaks, then open-loop latency at ``rates`` (per kind; None: half of
-    this front's peaks, which only the direct baseline uses)."""
+    """Peak requests/s of each kind, and the CPU the front and the backends spent per request."""
     out: dict[str, Any] = {}
-    for kind in ("json", "stream"):
-        front0, back0 = _cpu([proc] if proc else []), _cpu(backends)
+    front = [proc] if proc else []
+    for kind in KINDS:
+        front0, back0 = _cpu(front), _cpu(backends)
         r = run_oha(url, PATH, bodies[kind], "application/json", None, connections, duration)
-        front_s, back_s = _cpu([proc] if proc else []) - front0, _cpu(backends) - back0
+        front_s, back_s = _cpu(front) - front0, _cpu(backends) - back0
         out[f"{kind}_requests_per_s"] = r["requests_per_s"]
         out[f"{kind}_closed_loop_p50_us"] = r["p50_us"]
         out[f"{kind}_closed_loop_p99_us"] = r["p99_us"]
         out[f"{kind}_front_cpu_us_per_request"] = round(front_s / r["requests"] * 1e6, 1) if proc else None
         out[f"{kind}_backend_cpu_us_per_request"] = round(back_s / r["requests"] * 1e6, 1)
-    for kind in ("json", "stream"):
-        rate = rates[kind] if rates else out[f"{kind}_requests_per_s"] / 2
-        r = run_oha(url, PATH, bodies[kind], "application/json", rate, open_connections, duration)
-        out[f"{kind}_open_loop_rate_per_s"] = round(rate)
+    return out
+
+
+def open_loop(
+    url: str, bodies: dict[str, list[bytes]], rates: dict[str, float], connections: int, duration: float,
+) -> dict[str, Any]:
+    """p50/p99 latency of each kind at its rate, counted from each request's due time."""
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        r = run_oha(url, PATH, bodies[kind], "application/json", rates[kind], connections, duration)
+        out[f"{kind}_open_loop_rate_per_s"] = round(rates[kind])
         out[f"{kind}_open_loop_achieved_per_s"] = r["requests_per_s"]
         out[f"{kind}_p50_us"] = r["p50_us"]
         out[f"{kind}_p99_us"] = r["p99_us"]
@@ -180,7 +189,7 @@ def _loadavg() -> str:
 @click.option("--connections", default=32, show_default=True, help="Keep-alive connections of the closed loop.")
 @click.option("--open-loop-connections", default=64, show_default=True, help="oha's connections (at most) in the open loop.")
 @click.option("--duration", default=5.0, show_default=True, help="Seconds of each load run.")
-@click.option("--rate", type=float, help="Open-loop rate of non-streaming requests [half the direct peak].")
+@click.option("--rate", type=float, help="Open-loop rate of non-streaming requests [half the slowest front's peak].")
 @click.option("--sglang-policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware", show_default=True)
 @click.option("--vllm-policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware", show_default=True)
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds a front may take to come up.")
@@ -206,26 +215,32 @@ def gateway_bench(
     ensure_oha()
     if any(f in ("sglang-router", "vllm-router") for f in order):
         peers_venv()  # installed before anything is timed
-    bodies = {kind: prompt_bodies(n_prompts, prompt_chars, tokens, kind == "stream") for kind in ("json", "stream")}
+    bodies = {kind: prompt_bodies(n_prompts, prompt_chars, tokens, kind == "stream") for kind in KINDS}
     policies = {"sglang-router": sglang_policy, "vllm-router": vllm_policy}
     load_before = _loadavg()
     results: dict[str, dict[str, Any]] = {}
-    with start_backends(n_backends, tokens) as backends:
-        rates: dict[str, float] | None = None
+    with start_backends(n_backends, tokens) as backends, ExitStack() as stack:
+        # Every front stays up for the whole run (idle ones cost next to nothing), so
+        # that the open loops can run at a rate chosen from all the peaks.
+        started = {}
         for front in order:
-            click.echo(f"measuring {front}...", err=True)
-            with start_front(front, backends, policies, bootstrap, ready_timeout) as (url, proc):
-                results[front] = measure_front(
-                    url, proc, backends, bodies, connections, open_loop_connections, duration, rates
-                )
-            if front == "direct":
-                rates = {k: results["direct"][f"{k}_requests_per_s"] / 2 for k in ("json", "stream")}
-                if rate is not None:
-                    rates["json"] = rate
+            click.echo(f"starting {front}...", err=True)
+            started[front] = stack.enter_context(start_front(front, backends, policies, bootstrap, ready_timeout))
+        for front, (url, proc) in started.items():
+            click.echo(f"closed loop: {front}...", err=True)
+            results[front] = closed_loop(url, proc, backends, bodies, connections, duration)
+        # Half the slowest front's peak: a rate at which no front queues, so that the
+        # latency added is the front's work, not its backlog.
+        rates = {k: min(r[f"{k}_requests_per_s"] for r in results.values()) / 2 for k in KINDS}
+        if rate is not None:
+            rates["json"] = rate
+        for front, (url, _proc) in started.items():
+            click.echo(f"open loop: {front}...", err=True)
+            results[front].update(open_loop(url, bodies, rates, open_loop_connections, duration))
     direct = results["direct"]
     for front, r in results.items():
         if front != "direct":
-            for kind, tag in (("json", ""), ("stream", "stream_")):
+            for kind, tag in zip(KINDS, ("", "stream_")):
                 for q in ("p50", "p99"):
                     r[f"added_{tag}{q}_us"] = r[f"{kind}_{q}_us"] - direct[f"{kind}_{q}_us"]
             r["json_requests_per_s_vs_direct"] = round(r["json_requests_per_s"] / direct["json_requests_per_s"], 3)
@@ -251,6 +266,7 @@ def gateway_bench(
         "stream_ratio_vs_sglang_router": (
             round(kv["stream_requests_per_s"] / sglang["stream_requests_per_s"], 3) if kv and sglang else None
         ),
+        "open_loop_rates_per_s": {k: round(v) for k, v in rates.items()},
         "fronts": results,
         "backends": n_backends,
         "tokens": tokens,
