@@ -43,6 +43,10 @@ MAX_MODEL_LEN = 1 << 20
 #: Largest request body read (bytes).
 MAX_BODY = 64 << 20
 _TOKEN_TEXT = " a"
+_PATHS = frozenset({
+    "/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions", "/tokenize",
+    "/v1/completions/render", "/v1/chat/completions/render",
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +145,8 @@ class Engine:
     def handle(self, method: bytes, path: str, raw: bytes) -> tuple[int, bytes, list[bytes] | bytes]:
         """(status, content type, body): bytes for a whole answer, a list of SSE events
         for a stream."""
-        self.served[path] += 1
+        # Unknown paths share one counter (a client must not grow the table at will).
+        self.served[path if path in _PATHS else "other"] += 1
         if method == b"GET":
             if path == "/health":
                 return 200, b"application/json", b""
