@@ -111,7 +111,7 @@ def test_vllm_router_kv_aware_follows_vllms_own_kv_events() -> None:
                     ids = list(prompt.encode())
                     hashes = [(holder + 1) * 1000 + i for i in range(len(ids) // 16)]
 
-                    def routed() -> int:
+                    def routed(prompt: str = prompt) -> int:
                         r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
                         return urls.index(f"http://127.0.0.1:{r.json()['id'].split('-')[1]}")
 
@@ -133,9 +133,9 @@ def test_a_taken_port_is_refused() -> None:
     with start_backends(1, tokens=1) as backends:
         taken = backends[0].port
         assert port_taken(taken)
-        with pytest.raises(Exception, match=f"port {taken} .* is taken"):
-            with start_peer(PeerOptions("sglang-router", "cache_aware", (backends[0].url,)), port=taken):
-                pass
+        options = PeerOptions("sglang-router", "cache_aware", (backends[0].url,))
+        with pytest.raises(Exception, match=f"port {taken} .* is taken"), start_peer(options, port=taken):
+            pass
 
 
 def test_bad_peer_options_are_refused() -> None:

@@ -42,7 +42,12 @@ from kvstream.tools.bench.backend import DEFAULT_TOKENS, MODEL, start_backends
 from kvstream.tools.bench.common import emit, json_option
 from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env
 from kvstream.tools.bench.loadgen import OHA_VERSION, ensure_oha, run_oha
-from kvstream.tools.bench.peers import PeerOptions, peer_versions, peers_venv, start_peer
+from kvstream.tools.bench.peers import (
+    PeerOptions,
+    peer_versions,
+    peers_venv,
+    start_peer,
+)
 from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
 
 FRONTS = ("direct", "kvstream", "sglang-router", "vllm-router")
