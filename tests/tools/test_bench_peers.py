@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import click
 import httpx
 import openai
 import pytest
@@ -134,14 +135,14 @@ def test_a_taken_port_is_refused() -> None:
         taken = backends[0].port
         assert port_taken(taken)
         options = PeerOptions("sglang-router", "cache_aware", (backends[0].url,))
-        with pytest.raises(Exception, match=f"port {taken} .* is taken"), start_peer(options, port=taken):
+        with pytest.raises(click.ClickException, match=f"port {taken} .* is taken"), start_peer(options, port=taken):
             pass
 
 
 def test_bad_peer_options_are_refused() -> None:
-    with pytest.raises(Exception, match="policy"):
+    with pytest.raises(click.ClickException, match="policy"):
         PeerOptions("sglang-router", "kv_aware", ("http://127.0.0.1:1",))
-    with pytest.raises(Exception, match="ZMQ event endpoint"):
+    with pytest.raises(click.ClickException, match="ZMQ event endpoint"):
         PeerOptions("vllm-router", "kv_aware", ("http://127.0.0.1:1",))
 
 
