@@ -24,6 +24,7 @@ Top-level keys without a prefix are kvstream's (null when its front was not run)
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -95,15 +96,17 @@ def kvstream_front(backends: Sequence[str], bootstrap: str | None, ready_timeout
     require_gateway()
     with kafka_env(bootstrap) as settings, tempfile.TemporaryDirectory(prefix="kvstream-bench-gw-") as tmp:
         port = free_port()
+        q = json.dumps  # a JSON string is a TOML basic string
         workers = "".join(
-            f'[[gateway.workers]]\nid = {i}\nurl = "{url}"\nmodels = ["{MODEL}"]\n\n' for i, url in enumerate(backends)
+            f"[[gateway.workers]]\nid = {i}\nurl = {q(url)}\nmodels = [{q(MODEL)}]\n\n" for i, url in enumerate(backends)
         )
         config = Path(tmp) / "kvstream.toml"
         config.write_text(
-            f'bootstrap = "{settings.bootstrap}"\nlog_level = "WARNING"\n\n[topics]\nprefix = "{settings.topics.prefix}"\n\n'
-            f'[replica]\nhost = "127.0.0.1"\nport = {port}\nsnapshot_dir = "{tmp}/snapshots"\n\n'
+            f"bootstrap = {q(settings.bootstrap)}\nlog_level = \"WARNING\"\n\n"
+            f"[topics]\nprefix = {q(settings.topics.prefix)}\n\n"
+            f"[replica]\nhost = \"127.0.0.1\"\nport = {port}\nsnapshot_dir = {q(str(Path(tmp) / 'snapshots'))}\n\n"
             # The backend's tokens are its own (bytes): let it tokenize.
-            f'[gateway]\ntokenize = "engine"\n\n{workers}'
+            f"[gateway]\ntokenize = \"engine\"\n\n{workers}"
         )
         cmd = [sys.executable, "-c", "from kvstream.cli import main; main()", "router", "--config", str(config)]
         proc = ManagedProcess.start("kvstream-router", cmd, port)
