@@ -14,8 +14,11 @@ SIGTERM). What they ask of a backend, as seen with kvstream's bench backend:
   request, ``/v1/completions/render`` (``/v1/chat/completions/render`` for chat) on every
   worker before the request itself (``round_robin`` renders nothing). ``kv_aware`` reads each worker's vLLM KV
   events over ZMQ: ``--kv-event-source WORKER_URL=tcp://HOST:PORT`` per worker (the URL
-  exactly as given in ``--worker-urls``), with ``--kv-event-model`` (required) and
-  ``--kv-event-block-size``.
+  exactly as given in ``--worker-urls``; several endpoints, comma-separated, are its DP
+  ranks), with ``--kv-event-model`` (required) and ``--kv-event-block-size``. It
+  subscribes (the engine binds), and matches the rendered token ids against the token
+  ids of the events' ``BlockStored`` (the events' block hashes only name the blocks):
+  a render and the events must agree on the tokens.
 """
 
 from __future__ import annotations
