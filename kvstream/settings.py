@@ -1,34 +1,48 @@
 """One typed settings object for every command: flags > ``KVSTREAM_*`` env > TOML > defaults.
 
 Nested sections are set from the environment with a double underscore, e.g.
-``KVSTREAM_SCHEDULER__HOST_CACHE_HIT_WEIGHT=0.5``; the TOML file uses ``[scheduler]``.
-The file is named by ``--config`` or ``KVSTREAM_CONFIG``.
+``KVSTREAM_ROUTER__HOST_CACHE_HIT_WEIGHT=0.5``; the TOML file uses ``[router]``.
+The file is named by ``--config`` or ``KVSTREAM_CONFIG``. An unknown key at any level is
+an error that names the nearest valid one (a typo must never pass silently); an unknown
+``KVSTREAM_*`` variable is warned about. ``kvstream config show`` prints the effective
+settings and where each came from.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
+from kvstream.gateway.options import GatewayOptions
+
 _config_file: Path | None = None
+_warned = False  # unknown KVSTREAM_* variables are reported once per process
 
 
 class SettingsError(ValueError):
     """Settings that cannot be loaded; the message says which and why."""
 
 
-class TopicSettings(BaseModel):
+class Section(BaseModel):
+    """A section of the settings: an unknown key in it is an error, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopicSettings(Section):
     """Names and settings of the topics of DESIGN.md §2."""
 
     prefix: str = "kvstream."
@@ -40,6 +54,11 @@ class TopicSettings(BaseModel):
     control_retention_ms: int = Field(3600 * 1000, ge=60_000)
     dlq_partitions: int = Field(1, ge=1)
     dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    #: The compacted worker registry (kvstream.gateway.registry): a handful of records.
+    workers_partitions: int = Field(1, ge=1)
+    #: How long a worker's tombstone stays readable after compaction (delete.retention.ms):
+    #: a replica down for longer may keep a departed worker until it restarts from the start.
+    workers_tombstone_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
     #: The broker refuses events stamped further than this ahead of its clock (ms; 0: no
     #: bound): a record from the future would move its partition's log clock and expire
     #: every worker there. Keep it below the workers' lease minus their heartbeat.
@@ -51,7 +70,7 @@ class TopicSettings(BaseModel):
         return f"{self.prefix}{topic}"
 
 
-class RouterSettings(BaseModel):
+class RouterSettings(Section):
     """Block size and the scheduler's global weights (DESIGN.md §5; ref defaults)."""
 
     block_size: int = Field(16, ge=1)
@@ -77,7 +96,7 @@ class RouterSettings(BaseModel):
     compiled: bool = True
 
 
-class ReplicaSettings(BaseModel):
+class ReplicaSettings(Section):
     """How ``kvstream router`` runs a replica (DESIGN.md §7, §9)."""
 
     host: str = "127.0.0.1"
@@ -112,6 +131,10 @@ class ReplicaSettings(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=2)
+    #: Connections kept beyond max_connections for /healthz and /readyz alone.
+    probe_connections: int = Field(16, ge=0)
+    #: Body bytes all requests in progress may hold together (429 past it).
+    max_buffered_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     route_threads: int = Field(4, ge=1)
     inline_route_bytes: int = Field(256 * 1024, ge=0)
     snapshot_streams: int = Field(2, ge=1)
@@ -119,6 +142,9 @@ class ReplicaSettings(BaseModel):
     snapshot_every_records: int = Field(200_000, ge=0)
     snapshot_every_s: float = Field(60.0, ge=0)
     ready_max_lag: int = Field(1000, ge=0)
+    #: Once ready, refuse routing (503) while behind the log or cut off from the broker,
+    #: instead of routing with each decision marked stale.
+    refuse_when_stale: bool = False
     tick_interval_s: float = Field(5.0, gt=0)
     #: Names the replica in logs, ticks and its consumer group ``kvstream-<replica_id>``,
     #: where it commits its read positions (for kafka-consumer-groups); keep it stable
@@ -131,7 +157,7 @@ class ReplicaSettings(BaseModel):
     peer_url: str | None = None
 
 
-class FoldSettings(BaseModel):
+class FoldSettings(Section):
     """What a replica (and ``kvstream replay``) accepts from the events topic; every
     replica of a deployment must use the same values, or they disagree
     (kvstream.replica.authority; docs/RELIABILITY.md, "Threat model"). 0: no limit."""
@@ -143,13 +169,18 @@ class FoldSettings(BaseModel):
     #: Longest lease a batch may ask for (a phantom's lease is how long it holds a slot).
     max_lease_ms: int = Field(0, ge=0)
     max_blocks_per_event: int = Field(65_536, ge=0)
-    max_blocks_per_worker: int = Field(4_194_304, ge=0)
+    #: Sized from a real engine (kvstream.replica.authority.DEFAULT_BLOCKS_PER_WORKER);
+    #: a worker with a larger cache (a big disk tier) needs it raised.
+    max_blocks_per_worker: int = Field(1 << 20, ge=0)
+    #: The fleet-wide budget, kept per partition so that every replica decides alike
+    #: (the fleet holds at most this times the partition count); counted when it bites.
+    max_blocks_per_partition: int = Field(1 << 22, ge=0)
     max_workers_per_partition: int = Field(1024, ge=0)
     #: Only these worker ids are accepted (unset: any).
     allowed_workers: list[int] | None = None
 
 
-class WorkerSettings(BaseModel):
+class WorkerSettings(Section):
     """How ``kvstream worker`` consolidates and publishes (DESIGN.md §2, §3)."""
 
     #: ``dedup`` (one merged device residency) or ``passthrough`` (every tier).
@@ -167,6 +198,9 @@ class WorkerSettings(BaseModel):
     state_dir: str | None = None
     #: Engine bridge: checkpoint period (s), when the state changed.
     checkpoint_s: float = Field(10.0, gt=0)
+    #: Engine bridge: vLLM's offloading ``blocks_per_chunk`` (its placeholder events
+    #: name a chunk by its last block; docs/ENGINES.md).
+    offload_blocks_per_chunk: int = Field(1, ge=1)
 
 
 class Settings(BaseSettings):
@@ -183,6 +217,9 @@ class Settings(BaseSettings):
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     fold: FoldSettings = Field(default_factory=FoldSettings)
+    #: The OpenAI gateway of ``kvstream router`` (``[gateway]``, ``[[gateway.workers]]``):
+    #: validated as kvstream.gateway.options.GatewayOptions, where each option is defined.
+    gateway: GatewayOptions = Field(default_factory=GatewayOptions)
     log_level: str = "INFO"
     #: ``json`` for machines, ``console`` for people.
     log_format: str = "console"
@@ -202,18 +239,122 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+#: ``KVSTREAM_*`` variables that are not settings: the scripts', the tests' and the
+#: images' own (a prefix ending in ``_`` covers a family).
+OTHER_VARIABLES = (
+    "KVSTREAM_CONFIG", "KVSTREAM_CACHE", "KVSTREAM_ROOT", "KVSTREAM_TOKEN", "KVSTREAM_TEST_", "KVSTREAM_KAFKA_",
+    "KVSTREAM_BROKER_", "KVSTREAM_ROUTER1_", "KVSTREAM_ROUTER2_", "KVSTREAM_GPU_", "KVSTREAM_ENGINE_",
+    "KVSTREAM_DOCKER_", "KVSTREAM_DEBIAN_",
+)
+#: Parts of a key whose value is never echoed in an error or by ``config show``.
+SECRET_WORDS = ("token", "password", "secret", "key")
+
+
+def _config_path(config: str | Path | None) -> Path | None:
+    path = config or os.environ.get("KVSTREAM_CONFIG")
+    return Path(path) if path else None
+
+
 def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
     """Settings from flags (``overrides``, None values ignored), env and the TOML file."""
-    global _config_file
-    path = config or os.environ.get("KVSTREAM_CONFIG")
-    _config_file = Path(path) if path else None
+    global _config_file, _warned
+    if not _warned:
+        _warned = True
+        from kvstream.logs import get_logger
+
+        for var in unknown_variables():
+            get_logger(__name__).warning("unknown variable: it sets nothing", variable=var)
+    _config_file = _config_path(config)
     if _config_file is not None and not _config_file.is_file():
         raise SettingsError(f"config file {_config_file} does not exist")
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        raise SettingsError(f"invalid settings: {exc}") from None
+        raise SettingsError(explain(exc)) from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {_config_file} is not valid TOML: {exc}") from None
     finally:
         _config_file = None
+
+
+def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
+    """One line per problem: which key, why, and for an unknown key the nearest valid one;
+    a secret's value is never shown. ``section``: where the validated model sits."""
+    lines = []
+    for e in exc.errors():
+        loc = [*section, *(str(p) for p in e["loc"])]
+        where = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            valid = _keys_at(loc[:-1])
+            close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
+            hint = f" (did you mean `{'.'.join([*loc[:-1], close[0]])}`?)" if close else ""
+            lines.append(f"unknown setting `{where}`{hint}")
+            continue
+        value = "" if is_secret(where) or isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
+        lines.append(f"`{where}`: {e['msg']}{value}")
+    return "invalid settings: " + "; ".join(lines)
+
+
+def is_secret(key: str) -> bool:
+    # librdkafka's passthrough may hold credentials under any name (sasl.jaas.config).
+    return key.startswith("kafka_options") or any(word in key.lower() for word in SECRET_WORDS)
+
+
+def _keys_at(loc: list[str]) -> list[str]:
+    """The valid keys of the section at ``loc`` (a list of field names)."""
+    model: Any = Settings
+    for name in loc:
+        field = getattr(model, "model_fields", {}).get(name)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """``KVSTREAM_*`` variables that set nothing, each with the nearest setting when one
+    is close (pydantic-settings ignores an unknown top-level name silently)."""
+    env = os.environ if environ is None else environ
+    names = [f"KVSTREAM_{n.upper()}" for n in Settings.model_fields]
+    out = []
+    for var in sorted(env):
+        if not var.startswith("KVSTREAM_") or var.startswith(OTHER_VARIABLES):
+            continue
+        top = var.split("__")[0]
+        if top in names:
+            continue
+        close = difflib.get_close_matches(top, names, n=1, cutoff=0.6)
+        out.append(f"{var}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return out
+
+
+def origins(config: str | Path | None = None, **overrides: Any) -> dict[str, tuple[Any, str]]:
+    """Every effective setting (dotted key → (value, where it came from: ``flag``,
+    ``env``, ``toml``, ``default``)), secrets masked: what ``kvstream config show`` prints."""
+    settings = load_settings(config, **overrides)
+    path = _config_path(config)
+    toml = TomlConfigSettingsSource(Settings, toml_file=path)() if path is not None else {}
+    env = EnvSettingsSource(Settings, env_prefix="KVSTREAM_", env_nested_delimiter="__")()
+    flags = {k: v for k, v in overrides.items() if v is not None}
+
+    def has(doc: Any, keys: list[str]) -> bool:
+        for k in keys:
+            if not isinstance(doc, dict) or k not in doc:
+                return False
+            doc = doc[k]
+        return True
+
+    out: dict[str, tuple[Any, str]] = {}
+
+    def walk(doc: dict[str, Any], prefix: list[str]) -> None:
+        for k, v in doc.items():
+            keys = [*prefix, k]
+            if isinstance(v, dict) and keys[0] != "kafka_options" or (keys == ["kafka_options"] and v and isinstance(v, dict)):
+                walk(v, keys)
+                continue
+            source = next((name for name, doc_ in (("flag", flags), ("env", env), ("toml", toml)) if has(doc_, keys)), "default")
+            dotted = ".".join(keys)
+            out[dotted] = ("***" if is_secret(dotted) and v is not None else v, source)
+
+    walk(settings.model_dump(mode="json"), [])
+    return out

@@ -1,9 +1,11 @@
 # Sourced by ops/test.sh and ops/demo.sh: makes ./.venv ready on a fresh machine.
 #
-# The virtual environment lives in a cache folder keyed by the dependency lists of
-# pyproject.toml (and the Python version), so CI and fresh clones reuse it until the
-# dependencies change; a machine without the cache installs everything from scratch.
-# The project itself (with its Rust hashing kernel) is always reinstalled from this tree.
+# The dependencies live in a virtual environment in a cache folder keyed by the
+# dependency lists of pyproject.toml (and the Python version), so CI and fresh clones
+# reuse it until the dependencies change; a machine without the cache installs everything
+# from scratch. Each checkout's ./.venv is a thin environment of its own layered over
+# those dependencies, with this tree installed into it (with its compiled core): two
+# checkouts never run each other's code.
 set -euo pipefail
 
 KVSTREAM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,10 +41,26 @@ PY
         "$venv/bin/pip" install --quiet -r "$venv/requirements.txt"
         touch "$venv/.complete"
     fi
-    ln -sfn "$venv" "$KVSTREAM_ROOT/.venv"
-    echo "==> installing kvstream from $KVSTREAM_ROOT (builds the Rust hashing kernel)" >&2
+    # The shared environment holds dependencies only (older set-ups installed a checkout
+    # into it: that install would shadow no one now, but it points at another tree).
+    rm -rf "$venv"/lib/python*/site-packages/kvstream.pth "$venv"/lib/python*/site-packages/kvstream-*.dist-info
+    local layer="$KVSTREAM_ROOT/.venv"
+    [ -L "$layer" ] && rm "$layer"  # the link older set-ups made to the shared environment
+    if [ "$(cat "$layer/.dependencies" 2>/dev/null)" != "$venv" ]; then
+        rm -rf "$layer"
+        "$PYTHON" -m venv "$layer"
+        local own deps
+        own="$("$layer/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        deps="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        # Read after this checkout's own install (.pth files load in name order).
+        echo "import site; site.addsitedir('$deps')" > "$own/zz-kvstream-dependencies.pth"
+        echo "$venv" > "$layer/.dependencies"
+    fi
+    echo "==> installing kvstream from $KVSTREAM_ROOT into its own .venv (builds the compiled core)" >&2
     CARGO_TARGET_DIR="$KVSTREAM_CACHE/cargo-target" \
-        "$KVSTREAM_ROOT/.venv/bin/pip" install --quiet --no-deps -e "$KVSTREAM_ROOT"
-    echo "==> fetching the Apache Kafka jars (once)" >&2
-    bash "$KVSTREAM_ROOT/ops/kafka/broker.sh" fetch >&2
+        "$layer/bin/pip" install --quiet --no-deps -e "$KVSTREAM_ROOT"
+    # The broker's jars and Kafka's tools' (kafka-acls, consumer groups): tests run them,
+    # and a test must not skip on a machine where nothing fetched them before.
+    echo "==> fetching the Apache Kafka jars and Kafka's tools (once)" >&2
+    bash "$KVSTREAM_ROOT/ops/kafka/broker.sh" fetch-tools >&2
 }

@@ -19,18 +19,26 @@ bounded on hostile input: lengths are checked against what is left before anythi
 read, and every array item takes at least one byte (checked when schemas load), so a
 huge item count runs out of input. Checking first and decoding with fastavro measured
 faster than any strict decoder in Python (kvstream bench codec; docs/BENCHMARKS.md).
+
+``EventBatch`` messages of the v1 layout (what the publisher writes) are first read by
+the compiled ``kvstream._native.EventBatchReader``, which takes only what the generic
+path above decodes into a valid batch and answers None for anything else (which then
+goes the generic way, for the result or the exact error); tests/events check both agree
+on random valid and invalid bytes. It decodes a small batch ~3x faster (building the
+model objects is most of what is left), and it can leave the hashes packed for the
+fold (``EventCodec.packed_reader``; kvstream bench ingest, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from io import BytesIO
 from typing import Any
 
 from fastavro import schemaless_reader, schemaless_writer
 
-from kvstream._native import encode_event_batch
+from kvstream._native import EventBatchReader, encode_event_batch
 
 from kvstream.events.errors import DecodeError, EncodeError, EventError
 from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
@@ -124,6 +132,16 @@ _SYMBOL_BY_TIER: dict[Tier, str] = {tier: tier.name for tier in Tier}  # Enum.na
 #: schemas/kvstream.events.EventBatch/v1.avsc, the layout kvstream._native.encode_event_batch writes.
 _V1_FINGERPRINT = bytes.fromhex("6dfb51447f47a578")
 _KIND_SYMBOLS: dict[type, str] = {Stored: "STORED", Removed: "REMOVED", Cleared: "CLEARED"}
+#: Model kinds in the order of the compiled reader's kind codes (PackedEvent[0]).
+PACKED_KINDS: tuple[type[RouterEvent], ...] = (Stored, Removed, Cleared)
+#: Model tiers in the order of its tier codes (PackedEvent[2]).
+PACKED_TIERS: tuple[Tier, ...] = tuple(Tier)
+#: An event as the compiled reader gives it: (kind code, dp_rank, tier code, event_id,
+#: parent_hash, byte offset of its block hashes in the message, of its tokens hashes,
+#: block count, ``hash()`` of the model event it stands for).
+PackedEvent = tuple[int, int, int, int, int | None, int, int, int, int]
+#: (worker_id, epoch, lease_ms, events) of a message, hashes left packed in it.
+PackedBatch = tuple[int, int, int, tuple[PackedEvent, ...]]
 _STRUCTS: dict[int, struct.Struct] = {}
 _MAX_CACHED_STRUCTS = 1024
 
@@ -176,6 +194,28 @@ class EventCodec:
         tiers, kinds = event[1]["type"]["symbols"], event[3]["type"]["symbols"]
         self._tier_index = {tier: tiers.index(tier.name) for tier in Tier}
         self._kind_index = {cls: kinds.index(name) for cls, name in _KIND_SYMBOLS.items()}
+        # The compiled reader of the same layout, positions of the schema's symbols in
+        # the model's order (-1: UNKNOWN, which the generic path refuses).
+        kind_names = [_KIND_SYMBOLS[cls] for cls in PACKED_KINDS]
+        self._reader = (
+            EventBatchReader(
+                self._header,
+                [PACKED_TIERS.index(_TIER_BY_SYMBOL[s]) if s in _TIER_BY_SYMBOL else -1 for s in tiers],
+                [kind_names.index(s) if s in kind_names else -1 for s in kinds],
+                [hash(t) for t in PACKED_TIERS],
+                hash(None),
+            )
+            if self._fast
+            else None
+        )
+
+    @property
+    def packed_reader(self) -> Callable[[bytes], PackedBatch | None] | None:
+        """The compiled reader of the current layout (None when the current schema is
+        not v1's): the :data:`PackedBatch` of a message that :meth:`decode` would decode
+        into a valid batch, else None (then :meth:`decode` says what is wrong). It reads
+        what the fold needs without building the batch."""
+        return None if self._reader is None else self._reader.read
 
     def encode(self, batch: EventBatch) -> bytes:
         if self._fast:
@@ -246,6 +286,31 @@ class EventCodec:
         return record
 
     def decode(self, data: bytes) -> EventBatch:
+        if self._reader is not None and type(data) is bytes:
+            packed = self._reader.read(data)
+            if packed is not None:
+                return self._from_packed(data, packed)
+        return self._decode_generic(data)
+
+    @staticmethod
+    def _from_packed(data: bytes, packed: PackedBatch) -> EventBatch:
+        worker_id, epoch, lease_ms, events = packed
+        out: list[RouterEvent] = []
+        for kind, dp_rank, tier_code, event_id, parent, blocks_at, tokens_at, n, _ in events:
+            cls, tier = PACKED_KINDS[kind], PACKED_TIERS[tier_code]
+            if cls is Stored:
+                unpack = _packer(n).unpack_from
+                out.append(Stored(
+                    worker_id, dp_rank, tier, epoch, event_id, parent, unpack(data, blocks_at), unpack(data, tokens_at)
+                ))
+            elif cls is Removed:
+                out.append(Removed(worker_id, dp_rank, tier, epoch, event_id, _packer(n).unpack_from(data, blocks_at)))
+            else:
+                out.append(Cleared(worker_id, dp_rank, tier, epoch, event_id))
+        return EventBatch(worker_id, epoch, lease_ms, tuple(out))
+
+    def _decode_generic(self, data: bytes) -> EventBatch:
+        """Strict walk, fastavro, the model's checks: the reference of the compiled reader."""
         name, record = self.codec.decode(data)
         if name != EVENT_BATCH:
             raise DecodeError(f"expected a {EVENT_BATCH} record, got {name}", reason="type")

@@ -8,6 +8,11 @@ overrides are passed as ``producer_config(settings, **{"linger.ms": 1})``.
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
+import time
+import functools
 import uuid
 from typing import Any
 
@@ -75,6 +80,42 @@ def resolve_bootstrap(settings: Settings) -> str:
     return local
 
 
+#: A line of librdkafka's log of the same shape (digits aside: ports, client numbers,
+#: timings) is shown at most once in this many seconds; an unreachable broker makes every
+#: client repeat its connection failure several times a second.
+CLIENT_LOG_REPEAT_S = 30.0
+
+
+class _ClientLogHandler(logging.Handler):
+    """librdkafka's log (the clients' ``logger``) through kvstream's structured log, with
+    repeats of the same line folded into a count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, tuple[float, int]] = {}
+        self._guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from kvstream.logs import get_logger
+
+        text = record.getMessage()
+        shape = re.sub(r"\d+", "#", text)
+        now = time.monotonic()
+        with self._guard:
+            last, folded = self._last.get(shape, (float("-inf"), 0))
+            if now - last < CLIENT_LOG_REPEAT_S:
+                self._last[shape] = (last, folded + 1)
+                return
+            self._last[shape] = (now, 0)
+        extra = {"repeats_folded": folded} if folded else {}
+        get_logger("librdkafka").log(max(record.levelno, logging.INFO), text, **extra)
+
+
+_CLIENT_LOG = logging.getLogger("kvstream.kafka.client")
+_CLIENT_LOG.addHandler(_ClientLogHandler())
+_CLIENT_LOG.propagate = False
+
+
 def _base(settings: Settings, client_id: str) -> dict[str, Any]:
     owned = sorted(OWNED_KEYS & settings.kafka_options.keys())
     if owned:
@@ -82,7 +123,30 @@ def _base(settings: Settings, client_id: str) -> dict[str, Any]:
             f"kafka_options may not set {', '.join(owned)}: kvstream sets "
             "these itself (use `bootstrap` for the servers)"
         )
-    return {"bootstrap.servers": resolve_bootstrap(settings), "client.id": client_id}
+    if settings.kafka_options:
+        check_kafka_options(tuple(sorted(settings.kafka_options.items())))
+    return {"bootstrap.servers": resolve_bootstrap(settings), "client.id": client_id, "logger": _CLIENT_LOG}
+
+
+@functools.cache
+def check_kafka_options(options: tuple[tuple[str, str], ...]) -> None:
+    """librdkafka's own verdict on the passthrough options (an unknown key, a value it
+    refuses), once per process: a KafkaConfigError that names the key, never a value
+    (it may be a password), instead of a failure deep in the first client made."""
+    import logging
+
+    from confluent_kafka import KafkaException, Producer
+
+    quiet = logging.getLogger("kvstream.kafka.options")
+    quiet.disabled = True  # librdkafka's warnings about consumer-only keys and no brokers
+    try:
+        Producer(dict(options), logger=quiet)
+    except KafkaException as exc:
+        message = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        for _, value in options:
+            if value:
+                message = message.replace(str(value), "***")
+        raise KafkaConfigError(f"kafka_options: {message}") from None
 
 
 def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:

@@ -11,12 +11,12 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, Resourc
 from kvstream.kafka.config import admin_config
 from kvstream.kafka.errors import TopicError, TopicMismatchError
 from kvstream.logs import get_logger
-from kvstream.settings import Settings
+from kvstream.settings import Settings, TopicSettings
 
 log = get_logger(__name__)
 
 #: Topic roles, in creation order; the full name is ``settings.topics.name(role)``.
-ROLES = ("events", "active", "control", "dlq")
+ROLES = ("events", "active", "control", "dlq", "workers")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ def topic_specs(settings: Settings, brokers: int) -> list[TopicSpec]:
     }
     specs = []
     for role in ROLES:
+        if role == "workers":
+            specs.append(TopicSpec(t.name(role), t.workers_partitions, rf, _workers_config(t, rf)))
+            continue
         partitions, retention_ms = layout[role]
         config = {
             "cleanup.policy": "delete",
@@ -91,8 +94,35 @@ def topic_specs(settings: Settings, brokers: int) -> list[TopicSpec]:
     return specs
 
 
+def _workers_config(t: TopicSettings, rf: int) -> dict[str, str]:
+    """The worker registry keeps each worker's last registration for ever (compaction),
+    and a tombstone long enough for every replica to read it."""
+    return {
+        "cleanup.policy": "compact",
+        "delete.retention.ms": str(t.workers_tombstone_retention_ms),
+        # Compaction never touches the active segment: roll it daily so that superseded
+        # registrations do go.
+        "segment.ms": str(24 * 3600 * 1000),
+        "min.insync.replicas": "2" if rf >= 3 else "1",
+    }
+
+
 def _admin(settings: Settings) -> AdminClient:
     return AdminClient(admin_config(settings))
+
+
+def topic_id(settings: Settings, topic: str, *, timeout: float = 30.0) -> str | None:
+    """The topic's id (a new one when a topic is deleted and recreated; tells two
+    topics of the same name apart), or None when the broker does not say."""
+    from confluent_kafka import TopicCollection
+
+    admin = _admin(settings)  # held until the answer comes: a dropped client fails its futures
+    try:
+        desc = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout)[topic].result()
+    except KafkaException:
+        return None
+    tid = getattr(desc, "topic_id", None)
+    return str(tid) if tid is not None else None
 
 
 def _broker_count(admin: AdminClient, timeout: float) -> int:

@@ -27,6 +27,15 @@ TOO_MANY_WORKERS = "partition_worker_limit"
 # Counter reasons (single events rejected).
 EVENT_TOO_LARGE = "event_block_limit"
 WORKER_FULL = "worker_block_limit"
+PARTITION_FULL = "partition_block_limit"
+
+# The default per-worker block limit, from a real engine's capacity: Llama-3.1-70B keeps
+# 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes = 320 KiB of KV cache a token in
+# BF16, 5 MiB a block of 16 tokens. On an 8 x H200 node (141 GB each) at 90% memory
+# use, after the 141 GB of weights, ~874 GB hold ~167,000 blocks (~334,000 with an FP8
+# KV cache); a 2 TiB host tier adds ~419,000. 2^20 holds both with room for an FP8
+# device tier or ~2.4 TB of disk tier; a larger cache needs max_blocks_per_worker raised.
+DEFAULT_BLOCKS_PER_WORKER = 1 << 20
 
 _NS_PER_MS = 1_000_000
 
@@ -63,6 +72,10 @@ class LogAuthority:
     max_blocks_per_event: int | None = None
     #: Most blocks one worker may hold over all ranks and tiers.
     max_blocks_per_worker: int | None = None
+    #: Most blocks the workers bound to one partition may hold together: the fleet-wide
+    #: budget (times the partition count), per partition so that it depends on one
+    #: partition's records alone.
+    max_blocks_per_partition: int | None = None
     #: Most workers bound to one partition at once.
     max_workers_per_partition: int | None = None
     #: Only these worker ids are accepted (None: any).
@@ -70,20 +83,24 @@ class LogAuthority:
 
     def check_batch(self, key: bytes | None, timestamp_ms: int, batch: EventBatch) -> Rejection | None:
         """Checks that need nothing but the record."""
-        wid = batch.worker_id
+        return self.check_head(key, timestamp_ms, batch.worker_id, batch.epoch, batch.lease_ms)
+
+    def check_head(self, key: bytes | None, timestamp_ms: int, wid: int, epoch: int, lease_ms: int) -> Rejection | None:
+        """:meth:`check_batch` of a batch given by its head (the fold's compiled path
+        reads no model batch)."""
         if self.check_key and key != worker_key(wid):
             got = "no key" if key is None else f"key {key.hex()}"
             return Rejection(KEY_MISMATCH, f"worker {wid} in a record with {got} (expected {worker_key(wid).hex()})")
         if self.allowed_workers is not None and wid not in self.allowed_workers:
             return Rejection(NOT_ALLOWED, f"worker {wid} is not on the allow-list")
-        if self.max_epoch_ahead_ms is not None and batch.epoch // _NS_PER_MS > timestamp_ms + self.max_epoch_ahead_ms:
+        if self.max_epoch_ahead_ms is not None and epoch // _NS_PER_MS > timestamp_ms + self.max_epoch_ahead_ms:
             return Rejection(
                 EPOCH_AHEAD,
-                f"epoch {batch.epoch} (as ns: {batch.epoch // _NS_PER_MS} ms) is more than "
+                f"epoch {epoch} (as ns: {epoch // _NS_PER_MS} ms) is more than "
                 f"{self.max_epoch_ahead_ms} ms ahead of the record's time {timestamp_ms} ms",
             )
-        if self.max_lease_ms is not None and batch.lease_ms > self.max_lease_ms:
-            return Rejection(LEASE_TOO_LONG, f"lease {batch.lease_ms} ms > {self.max_lease_ms} ms")
+        if self.max_lease_ms is not None and lease_ms > self.max_lease_ms:
+            return Rejection(LEASE_TOO_LONG, f"lease {lease_ms} ms > {self.max_lease_ms} ms")
         return None
 
     def check_event(self, ev: RouterEvent, held: int) -> Rejection | None:
@@ -91,12 +108,25 @@ class LogAuthority:
         bound will do: the fold counts exactly before it rejects for the worker limit)."""
         if type(ev) is Cleared:
             return None
-        n = len(ev.block_hashes)
+        return self.check_blocks(type(ev) is Stored, len(ev.block_hashes), held)
+
+    def check_blocks(self, stored: bool, n: int, held: int) -> Rejection | None:
+        """:meth:`check_event` of a stored (or removed) event of ``n`` blocks."""
         if self.max_blocks_per_event is not None and n > self.max_blocks_per_event:
             return Rejection(EVENT_TOO_LARGE, f"{n} blocks > {self.max_blocks_per_event} per event")
-        if self.max_blocks_per_worker is not None and type(ev) is Stored and held + n > self.max_blocks_per_worker:
+        if self.max_blocks_per_worker is not None and stored and held + n > self.max_blocks_per_worker:
             return Rejection(
                 WORKER_FULL, f"worker holds {held} blocks; {n} more exceed {self.max_blocks_per_worker}"
+            )
+        return None
+
+    def partition_blocks_full(self, held: int, n: int) -> Rejection | None:
+        """Whether a store of ``n`` blocks fits a partition whose workers hold ``held``
+        (an upper bound will do: the fold counts exactly before it rejects)."""
+        if self.max_blocks_per_partition is not None and held + n > self.max_blocks_per_partition:
+            return Rejection(
+                PARTITION_FULL,
+                f"the partition's workers hold {held} blocks; {n} more exceed {self.max_blocks_per_partition}",
             )
         return None
 
@@ -112,6 +142,7 @@ TRUSTING = LogAuthority()
 
 REASONS: tuple[str, ...] = (
     KEY_MISMATCH, NOT_ALLOWED, EPOCH_AHEAD, LEASE_TOO_LONG, TOO_MANY_WORKERS, EVENT_TOO_LARGE, WORKER_FULL,
+    PARTITION_FULL,
 )
 
 
@@ -127,6 +158,7 @@ def authority_from_settings(settings: FoldSettings) -> LogAuthority:
         max_lease_ms=opt(settings.max_lease_ms),
         max_blocks_per_event=opt(settings.max_blocks_per_event),
         max_blocks_per_worker=opt(settings.max_blocks_per_worker),
+        max_blocks_per_partition=opt(settings.max_blocks_per_partition),
         max_workers_per_partition=opt(settings.max_workers_per_partition),
         allowed_workers=None if settings.allowed_workers is None else frozenset(settings.allowed_workers),
     )

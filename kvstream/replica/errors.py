@@ -11,3 +11,7 @@ class SnapshotError(ReplicaError):
 
 class RecoveryError(ReplicaError):
     """The replica cannot start from what it has (no usable snapshot, topic missing)."""
+
+
+class AmbiguousRequestError(ReplicaError):
+    """A prefill_done or free of a client id that several other replicas have active."""

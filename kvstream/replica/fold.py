@@ -21,6 +21,13 @@ clock, so that two replicas (or a replay) that read the same records agree exact
   the worker to resync). The winner is the greatest incarnation whatever order the
   partitions are read in, so live replicas, fresh ones and replay agree after
   partitions are added (docs/RELIABILITY.md, "Topology changes").
+
+The common record — a batch of a known incarnation on its partition, each event the
+next of its rank, within the authority's limits — takes a compiled path when ``decode``
+is an :class:`~kvstream.events.codec.EventCodec`'s: the codec's reader leaves the hashes
+packed in the record and the index applies them from there (no model objects). It makes
+exactly the decisions of the general path, which every other record takes (kvstream
+bench ingest; the fold's tests run both).
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.logs import get_logger
-from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
 from kvstream.router import Router
+
+if TYPE_CHECKING:
+    from kvstream.replica.record import Record
 
 _log = get_logger(__name__)
 
@@ -56,32 +67,76 @@ WRONG_PARTITION = "batch_wrong_partition"
 #: An event id that the worker already used, with other content: another producer took
 #: the id (or the worker restarted without a new epoch); the worker is asked to resync.
 ID_CONFLICT = "event_id_conflict"
+#: A worker that had stored no block, removed to make room on a full partition.
+DISPLACED = "worker_displaced"
 #: The fold itself failed on a record (a bug). Deterministic like the rest, so every
 #: replica fails the same way on it: the record is dead-lettered, ingest goes on.
 FOLD_ERROR = "record_fold_error"
+#: A header kvstream reads (kvstream.replica.record) is malformed: counted and the record
+#: dead-lettered by reference; its events still apply (headers are advisory).
+BAD_HEADER = "record_bad_header"
 
 
-#: Records folded per hold of the router lock: a catch-up consume (2,000 records at
-#: ~70 µs) folded in one piece would stall every route for ~140 ms.
+#: Records folded between two looks at the clock while the ingest thread holds the
+#: router lock.
 FOLD_SLICE = 16
+#: How long the ingest thread holds the router lock at most before routes get their
+#: turn: a catch-up consume (2,000 records) folded in one hold would stall every route
+#: for as long as it takes. ~1 ms is what a slice of 16 records at ~70 µs took before
+#: the fold's compiled path; giving the GIL up after every 16 records at ~5 µs each
+#: would cost more than the records (time.sleep(0) measured ~85 µs here).
+FOLD_HOLD_S = 0.001
 
 _T = TypeVar("_T")
+# Kind codes of the codec's packed events.
+_STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, Cleared))
 
 
 def fold_in_slices(
-    lock: AbstractContextManager[Any], records: Sequence[_T], apply: Callable[[Sequence[_T]], None], size: int = FOLD_SLICE
+    lock: AbstractContextManager[Any],
+    records: Sequence[_T],
+    apply: Callable[[Sequence[_T]], None],
+    size: int = FOLD_SLICE,
+    hold_s: float = FOLD_HOLD_S,
 ) -> None:
-    """``apply`` consecutive slices of ``records`` of at most ``size``, each under one
-    hold of ``lock``. The GIL is given up between slices, so that a route thread woken
-    by the release takes the lock before this thread takes it again; not after the last
-    one (a thread that folds a few records per wake-up would otherwise queue behind
-    every route for a GIL switch interval, and fall behind a busy router)."""
+    """``apply`` consecutive slices of ``records`` of at most ``size``, under holds of
+    ``lock`` of at most about ``hold_s`` (and one slice) each. The GIL is given up
+    between holds, so that a route thread woken by the release takes the lock before
+    this thread takes it again; not after the last one (a thread that folds a few
+    records per wake-up would otherwise queue behind every route for a GIL switch
+    interval, and fall behind a busy router)."""
     step = max(1, size)
-    for i in range(0, len(records), step):
+    clock = time.perf_counter
+    i, n = 0, len(records)
+    while i < n:
         if i:
             time.sleep(0)
         with lock:
-            apply(records[i : i + step])
+            until = clock() + hold_s
+            while True:
+                apply(records[i : i + step])
+                i += step
+                if i >= n or clock() >= until:
+                    break
+
+
+#: Event ids per (worker, rank) whose digests the fold keeps (kvstream.replica.fold.WorkerLog).
+RECENT_IDS = 32
+_KINDS = {Stored: 1, Removed: 2, Cleared: 3}
+_TIER_CODES = {t: i for i, t in enumerate(Tier)}
+
+
+def event_digest(ev: RouterEvent) -> int:
+    """A digest of an event's content, the same in every process (``hash`` of a str, an
+    enum or None is not), so that snapshots can keep it."""
+    kind = type(ev)
+    if kind is Stored:
+        body: tuple = (ev.parent_hash is None, ev.parent_hash or 0, ev.block_hashes, ev.tokens_hashes)
+    elif kind is Removed:
+        body = (ev.block_hashes,)
+    else:
+        body = ()
+    return hash((_KINDS[kind], ev.dp_rank, _TIER_CODES[ev.tier], ev.epoch, ev.event_id, body))
 
 
 @dataclass(slots=True)
@@ -94,9 +149,28 @@ class WorkerLog:
     last_seen_ms: int
     #: dp_rank → last applied event id in this epoch.
     last_ids: dict[int, int] = field(default_factory=dict)
-    #: dp_rank → hash of the event applied last (in memory only: it tells a redelivered
-    #: event from a different one that reuses its id).
-    last_digest: dict[int, int] = field(default_factory=dict)
+    #: dp_rank → {event id: digest} of the last RECENT_IDS events whose id was taken (in
+    #: snapshots too): it tells a redelivered event from another one that reuses its id,
+    #: also when another producer took several ids ahead of the worker.
+    recent: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Whether a store of this epoch was accepted: a worker counts against its
+    #: partition's worker limit only then (kvstream.replica.fold.LogFold._displace_blockless).
+    stored: bool = False
+
+    def conflicts(self, ev: RouterEvent) -> bool:
+        """Whether ``ev`` reuses an id of the recent window with other content (an
+        older id, outside the window, is taken for a redelivery)."""
+        seen = self.recent.get(ev.dp_rank)
+        digest = seen.get(ev.event_id) if seen else None
+        return digest is not None and digest != event_digest(ev)
+
+    def remember(self, ev: RouterEvent) -> None:
+        seen = self.recent.get(ev.dp_rank)
+        if seen is None:
+            seen = self.recent[ev.dp_rank] = {}
+        seen[ev.event_id] = event_digest(ev)
+        if len(seen) > RECENT_IDS:
+            del seen[next(iter(seen))]  # ids only grow: the first is the oldest
 
     def outranks(self, epoch: int, partition: int) -> bool:
         """Whether this incarnation is greater than (epoch, partition): a higher epoch,
@@ -114,6 +188,10 @@ class Outcome:
     applied_events: int = 0
 
 
+#: Outcomes of records applied whole (shared: an Outcome is immutable).
+_APPLIED = tuple(Outcome(applied_events=n) for n in range(64))
+
+
 @dataclass(slots=True)
 class PartitionState:
     next_offset: int = 0
@@ -125,10 +203,21 @@ class LogFold:
     """Folds records of the events topic into ``router``. Single writer."""
 
     def __init__(
-        self, router: Router, decode: Callable[[bytes], EventBatch], authority: LogAuthority = TRUSTING
+        self,
+        router: Router,
+        decode: Callable[[bytes], EventBatch],
+        authority: LogAuthority = TRUSTING,
+        on_expired: Callable[[int, int], None] | None = None,
     ) -> None:
         self.router = router
+        #: Told (worker id, log time ms) of each expiry: replay re-applies the removal
+        #: of the worker's requests at that time among the active ops.
+        self._on_expired = on_expired
         self._decode = decode
+        codec = getattr(decode, "__self__", None)
+        self._read_packed: Callable[[bytes], PackedBatch | None] | None = (
+            codec.packed_reader if isinstance(codec, EventCodec) else None
+        )
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
         self.workers: dict[int, WorkerLog] = {}
@@ -139,8 +228,22 @@ class LogFold:
         self._deadlines: dict[int, list[tuple[int, int]]] = {}
         #: Workers bound to each partition (for the per-partition limit).
         self._bound: Counter[int] = Counter()
+        #: (last seen ms, worker id) per partition of incarnations that had stored
+        #: nothing when pushed: who makes room for a newcomer; stale entries are skipped
+        #: lazily, as for the deadlines.
+        self._blockless: dict[int, list[tuple[int, int]]] = {}
+        #: Per partition, an upper bound of the blocks its workers hold (stores added,
+        #: nothing taken off): counted exactly only when the budget would reject a store.
+        self._partition_held: dict[int, int] = {}
 
     # -- records ---------------------------------------------------------------------
+
+    def apply(self, record: Record) -> Outcome:
+        """Apply a record read by kvstream.replica.record.read_record."""
+        return self.apply_record(
+            record.partition, record.offset, record.timestamp_ms, record.value, record.is_tick, record.key,
+            record.problem,
+        )
 
     def apply_record(
         self,
@@ -150,9 +253,24 @@ class LogFold:
         value: bytes | None,
         is_tick: bool = False,
         key: bytes | None = None,
+        problem: str | None = None,
     ) -> Outcome:
         """Apply the record at ``offset`` of ``partition`` (records must come in offset
-        order per partition); ``key`` is the record's key."""
+        order per partition); ``key`` is the record's key, ``problem`` what was wrong
+        with its headers (kvstream.replica.record)."""
+        outcome = self._apply_record(partition, offset, timestamp_ms, value, is_tick, key)
+        if problem is None:
+            return outcome
+        self.counters[BAD_HEADER] += 1
+        note = f"{BAD_HEADER}: {problem}"
+        return Outcome(
+            note if outcome.dlq_reason is None else f"{note}; {outcome.dlq_reason}",
+            outcome.resync, outcome.applied_events,
+        )
+
+    def _apply_record(
+        self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool, key: bytes | None
+    ) -> Outcome:
         part = self.partitions.get(partition)
         if part is None:
             part = self.partitions[partition] = PartitionState()
@@ -162,6 +280,16 @@ class LogFold:
         if is_tick:
             self._expire(partition, part.log_time_ms)
             return Outcome()
+        if self._read_packed is not None and value is not None:
+            try:
+                outcome = self._apply_packed(partition, timestamp_ms, key, value)
+            except MemoryError:
+                raise
+            except Exception as exc:
+                outcome = self._fold_error(partition, offset, exc)
+            if outcome is not None:
+                self._expire(partition, part.log_time_ms)
+                return outcome
         try:
             if value is None:
                 raise DecodeError("record has no value")
@@ -179,11 +307,72 @@ class LogFold:
             except MemoryError:
                 raise  # not a property of the record: the replica cannot go on
             except Exception as exc:
-                _log.exception("fold failed on a record", partition=partition, offset=offset)
-                self.counters[FOLD_ERROR] += 1
-                outcome = Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
+                outcome = self._fold_error(partition, offset, exc)
         self._expire(partition, part.log_time_ms)
         return outcome
+
+    def _fold_error(self, partition: int, offset: int, exc: Exception) -> Outcome:
+        _log.exception("fold failed on a record", partition=partition, offset=offset)
+        self.counters[FOLD_ERROR] += 1
+        return Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
+
+    def _apply_packed(self, partition: int, ts: int, key: bytes | None, value: bytes) -> Outcome | None:
+        """The compiled path: the outcome of the common record, or None (nothing done)
+        for any other, which :meth:`_apply_batch` then takes. Everything that decides
+        is checked before anything changes, so the two paths decide alike."""
+        packed = self._read_packed(value)  # type: ignore[misc]
+        if packed is None:
+            return None
+        wid, epoch, lease_ms, events = packed
+        log = self.workers.get(wid)
+        if log is None or log.epoch != epoch or log.partition != partition:
+            return None
+        if self.authority.check_head(key, ts, wid, epoch, lease_ms) is not None:
+            return None
+        index = self.router.index
+        held = -1  # counted at the first stored event
+        last_ids = log.last_ids
+        check_blocks = self.authority.check_blocks
+        # Each event the next id of its rank (or its rank's first), within the limits
+        # even if every store before it in the batch is accepted (an upper bound of held).
+        ids: dict[int, int] = {}
+        for kind, rank, _, eid, _, _, _, n, _ in events:
+            last = ids.get(rank, last_ids.get(rank))
+            if last is not None and eid != last + 1:
+                return None
+            ids[rank] = eid
+            if kind == _STORED:
+                if held < 0:
+                    held = index.worker_blocks(wid)
+                if check_blocks(True, n, held) is not None:
+                    return None
+                held += n
+            elif kind == _REMOVED and check_blocks(False, n, 0) is not None:
+                return None
+        self.dirty.add(wid)
+        log.lease_ms = lease_ms
+        if ts > log.last_seen_ms:
+            log.last_seen_ms = ts
+        known = index.knows(wid)
+        announced = False
+        applied = 0
+        rejected: list[str] = []
+        apply = index.apply_packed
+        last_digest = log.last_digest
+        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
+            last_ids[rank] = eid
+            last_digest[rank] = digest  # hash() of the model event, as the general path keeps
+            reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, value, blocks_at, tokens_at, n)
+            if reason is None:
+                applied += 1
+                announced = announced or kind != _REMOVED
+            else:
+                rejected.append(f"event {i} (id {eid}): {reason}")
+        if not known and not announced and index.knows(wid):
+            index.remove_worker(wid)  # as in _apply_batch
+        if rejected:
+            return Outcome(dlq_reason="; ".join(rejected), applied_events=applied)
+        return _APPLIED[applied] if applied < len(_APPLIED) else Outcome(applied_events=applied)
 
     def _apply_batch(self, partition: int, ts: int, batch: EventBatch) -> Outcome:
         wid = batch.worker_id
@@ -191,8 +380,7 @@ class LogFold:
         resync: list[int] = []
         if log is not None and log.outranks(batch.epoch, partition):
             if batch.epoch < log.epoch:
-                self.counters[STALE_EPOCH] += 1
-                return Outcome(dlq_reason=f"{STALE_EPOCH}: epoch {batch.epoch} < {log.epoch}")
+                return self._stale(wid, batch.epoch, log.epoch)
             self.counters[WRONG_PARTITION] += 1
             return Outcome(
                 dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {batch.epoch} is bound to partition "
@@ -202,7 +390,7 @@ class LogFold:
         if log is None or log.epoch != batch.epoch or log.partition != partition:
             if log is None or log.partition != partition:
                 full = self.authority.partition_full(self._bound[partition])
-                if full is not None:
+                if full is not None and not self._displace_blockless(partition):
                     self.counters[full.reason] += 1
                     return Outcome(dlq_reason=str(full))
                 heapq.heappush(self._deadlines.setdefault(partition, []), (ts + batch.lease_ms, wid))
@@ -211,8 +399,10 @@ class LogFold:
                 # A new incarnation replaces the old one even if its `cleared` was lost;
                 # on the same partition the old lease entry serves the new incarnation.
                 self.router.index.clear_worker(wid)
-                self._bound[log.partition] -= 1
+                if log.partition != partition:
+                    self._bound[log.partition] -= 1
             log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
+            heapq.heappush(self._blockless.setdefault(partition, []), (ts, wid))
             if batch.events and type(batch.events[0]) is not Cleared:
                 self.counters[NO_CLEARED] += 1
                 resync.append(wid)
@@ -227,7 +417,6 @@ class LogFold:
         apply_event = self.router.apply_event
         check_event = self.authority.check_event
         last_ids = log.last_ids
-        last_event: dict[int, RouterEvent] = {}
         # Blocks the worker holds, an upper bound (stores added, removes not taken off):
         # counted exactly only when the bound would reject a store.
         held = index.worker_blocks(wid)
@@ -235,7 +424,7 @@ class LogFold:
             last = last_ids.get(ev.dp_rank)
             if last is not None:
                 if ev.event_id <= last:
-                    if ev.event_id == last and log.last_digest.get(ev.dp_rank, hash(ev)) != hash(ev):
+                    if log.conflicts(ev):
                         self.counters[ID_CONFLICT] += 1
                         rejected.append(f"event {i} (id {ev.event_id}): {ID_CONFLICT}")
                         if wid not in resync:
@@ -248,11 +437,13 @@ class LogFold:
                     if wid not in resync:
                         resync.append(wid)
             last_ids[ev.dp_rank] = ev.event_id
-            last_event[ev.dp_rank] = ev
+            log.remember(ev)
             too_big = check_event(ev, held)
             if too_big is not None and too_big.reason == WORKER_FULL:
                 held = index.worker_blocks(wid)
                 too_big = check_event(ev, held)
+            if too_big is None and type(ev) is Stored:
+                too_big = self._partition_budget(partition, len(ev.block_hashes))
             if too_big is not None:
                 self.counters[too_big.reason] += 1
                 rejected.append(f"event {i} (id {ev.event_id}): {too_big}")
@@ -262,11 +453,10 @@ class LogFold:
                 applied += 1
                 if type(ev) is Stored:
                     held += len(ev.block_hashes)
+                    log.stored = True
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        for rank, ev in last_event.items():
-            log.last_digest[rank] = hash(ev)
         if not known and not announced and index.knows(wid):
             # A worker becomes a candidate by an accepted store or its `cleared` (an
             # empty cache is a real worker); rejected stores and removes of blocks it
@@ -277,6 +467,59 @@ class LogFold:
             resync=tuple(resync),
             applied_events=applied,
         )
+
+    def _stale(self, wid: int, epoch: int, held: int) -> Outcome:
+        """A batch under an older epoch than the one the log accepted for its worker: a
+        zombie of an old incarnation, or the live worker behind an epoch that someone
+        forged ahead of it (a plausible one passes the authority). Either way the live
+        worker must start an epoch above the held one: it is asked to resync (the
+        request says which epoch to outrank; the replica rate-limits requests)."""
+        self.counters[STALE_EPOCH] += 1
+        return Outcome(
+            dlq_reason=f"{STALE_EPOCH}: epoch {epoch} < {held} (the worker is asked to resync above it)",
+            resync=(wid,),
+        )
+
+    def _displace_blockless(self, partition: int) -> bool:
+        """Make room on a full partition: the worker bound there that has stored nothing
+        in its epoch and was seen least recently (then the lowest id) is removed, so
+        that workers that never publish blocks (phantoms) cannot crowd out real ones.
+        Only the fold's state decides (``stored`` is in snapshots), so every replica
+        removes the same one. False when every worker there has stored blocks."""
+        heap = self._blockless.get(partition)
+        while heap:
+            seen, wid = heapq.heappop(heap)
+            log = self.workers.get(wid)
+            if log is None or log.partition != partition or log.stored:
+                continue  # gone, moved, or a real worker now
+            if log.last_seen_ms != seen:
+                heapq.heappush(heap, (log.last_seen_ms, wid))  # seen since it was pushed
+                continue
+            del self.workers[wid]
+            self._bound[partition] -= 1
+            self.dirty.add(wid)
+            if self.router.index.knows(wid):
+                self.router.remove_worker(wid)
+            self.counters[DISPLACED] += 1
+            return True
+        return False
+
+    def _partition_budget(self, partition: int, n: int) -> Rejection | None:
+        """The fleet-wide block budget, per partition: whether a store of ``n`` blocks
+        fits; if so it is added to the partition's bound."""
+        if self.authority.max_blocks_per_partition is None:
+            return None
+        budget = self.authority.partition_blocks_full
+        held = self._partition_held.get(partition)
+        if held is None or budget(held, n) is not None:
+            index = self.router.index
+            held = sum(index.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
+            full = budget(held, n)
+            if full is not None:
+                self._partition_held[partition] = held
+                return full
+        self._partition_held[partition] = held + n
+        return None
 
     # -- leases ----------------------------------------------------------------------
 
@@ -296,6 +539,8 @@ class LogFold:
             self.dirty.add(wid)
             if self.router.index.knows(wid):
                 self.router.remove_worker(wid)
+            if self._on_expired is not None:
+                self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1
 
     # -- restore from a snapshot -------------------------------------------------------
@@ -316,6 +561,8 @@ class LogFold:
                 self.router.index.remove_worker(worker_id)
         self.workers[worker_id] = log
         self._bound[log.partition] += 1
+        if not log.stored:
+            heapq.heappush(self._blockless.setdefault(log.partition, []), (log.last_seen_ms, worker_id))
         heapq.heappush(
             self._deadlines.setdefault(log.partition, []), (log.last_seen_ms + log.lease_ms, worker_id)
         )

@@ -3,12 +3,19 @@ memory, the event loop or file descriptors from the others: ``/healthz`` keeps a
 
 - :class:`BodyLimit` (ASGI middleware): a request body larger than ``max_body_bytes`` is
   refused with 413 before anything parses it (by its ``Content-Length``, or counted as it
-  streams in), and one that does not arrive within ``body_timeout_s`` with 408.
+  streams in), and one that does not arrive within ``body_timeout_s`` with 408. All
+  requests together hold at most ``max_buffered_body_bytes`` of bodies (announced
+  lengths reserved up front, streamed ones counted as they come): past it, 429, and
+  what a request took is given back when it ends.
 - :func:`guarded_protocol` (uvicorn's httptools protocol, extended): a connection must
   send a request's headers within ``header_timeout_s`` (slowloris), and at most
   ``max_connections`` are open; the next one first evicts the oldest connection still
-  waiting for its headers, or is closed at once if every connection is busy. (It also
-  writes each response's head and body together: not a limit, a cost per request.)
+  waiting for its headers, else the oldest still receiving its body (a trickled upload),
+  and is closed at once only if every connection is busy with a whole request. Beyond
+  that, ``probe_connections`` more are kept for ``/healthz`` and ``/readyz`` alone, so
+  that health checks answer while routing connections are full (a request for another
+  path on one of them is answered 503). (It also writes each response's head and body
+  together: not a limit, a cost per request.)
 - A route request of at most ``inline_route_bytes`` is decided on the event loop (the
   decision of an 8k-token prompt takes tens of microseconds, less than a thread hop);
   larger ones in ``route_threads`` worker threads (kvstream.replica.service), and
@@ -40,6 +47,8 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 1000
+    probe_connections: int = 16
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
     route_threads: int = 4
     inline_route_bytes: int = 256 * 1024
     snapshot_streams: int = 2
@@ -47,11 +56,18 @@ class HttpLimits:
 
 Reject = Callable[[str], None]
 
+#: Paths served on the connections kept for health checks.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+
 
 class _Refused(Exception):
     def __init__(self, status: int, limit: str, message: str) -> None:
         super().__init__(message)
         self.status, self.limit = status, limit
+
+
+class _Gone(Exception):
+    """The client went (or was evicted) before its body was whole: nobody to answer."""
 
 
 async def _send_error(send: Callable, status: int, message: str) -> None:
@@ -71,6 +87,8 @@ class BodyLimit:
 
     def __init__(self, app: Any, limits: HttpLimits, on_reject: Reject) -> None:
         self.app, self.limits, self.on_reject = app, limits, on_reject
+        #: Body bytes held by requests in progress (one event loop: no lock needed).
+        self.buffered = 0
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -82,6 +100,13 @@ class BodyLimit:
             self.on_reject("body_too_large")
             await _send_error(send, 413, f"request body is larger than {cap} bytes")
             return
+        # Body bytes this request holds against the budget: an announced length is
+        # reserved whole before any of it is read, a streamed body as it arrives.
+        held = int(length) if length is not None else 0
+        if held and not self._take(held):
+            self.on_reject("body_budget")
+            await _send_error(send, 429, self._spent())
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.body_timeout_s
         received = 0
@@ -89,7 +114,7 @@ class BodyLimit:
         started = False
 
         async def limited_receive() -> dict:
-            nonlocal received, done
+            nonlocal received, done, held
             if done:  # after the body: e.g. waiting for a disconnect while streaming
                 return await receive()
             try:
@@ -102,9 +127,13 @@ class BodyLimit:
                 received += len(message.get("body", b""))
                 if received > cap:
                     raise _Refused(413, "body_too_large", f"request body is larger than {cap} bytes")
+                if received > held:
+                    if not self._take(received - held):
+                        raise _Refused(429, "body_budget", self._spent())
+                    held = received
                 done = not message.get("more_body", False)
             else:
-                done = True
+                raise _Gone()
             return message
 
         async def tracking_send(message: dict) -> None:
@@ -119,6 +148,21 @@ class BodyLimit:
             if started:
                 raise
             await _send_error(send, exc.status, str(exc))
+        except _Gone:
+            if started:
+                raise
+        finally:
+            self.buffered -= held
+
+    def _take(self, n: int) -> bool:
+        if self.buffered + n > self.limits.max_buffered_body_bytes:
+            return False
+        self.buffered += n
+        return True
+
+    def _spent(self) -> str:
+        return (f"the request bodies in progress hold max_buffered_body_bytes "
+                f"({self.limits.max_buffered_body_bytes}): retry later")
 
 
 class _HeadWithBody:
@@ -164,33 +208,66 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
+async def _probes_only(scope: dict, receive: Callable, send: Callable) -> None:
+    """What a connection kept for health checks answers to any other path."""
+    await _send_error(send, 503, "every connection is busy: this one serves only /healthz and /readyz")
+
+
 def guarded_protocol(limits: HttpLimits, on_reject: Reject) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a header deadline, a connection cap, and each
-    response's head and body in one write."""
+    """uvicorn's httptools protocol with a header deadline, a connection cap (with room
+    kept for health checks), and each response's head and body in one write."""
 
     class Guarded(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         #: When the current request began (loop time), while its headers are pending.
         _waiting_since: float | None = None
+        #: When the current request's body began (loop time), until it is whole.
+        _body_since: float | None = None
+        #: Accepted beyond max_connections: serves only PROBE_PATHS.
+        _probe_only = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            probe_only = False
             if len(self.connections) >= limits.max_connections and not self._evict():
-                self.transport = transport  # connection_lost expects one
-                on_reject("connections")
-                transport.close()
-                return
+                if len(self.connections) >= limits.max_connections + limits.probe_connections:
+                    self.transport = transport  # connection_lost expects one
+                    on_reject("connections")
+                    transport.close()
+                    return
+                probe_only = True
             super().connection_made(transport)
+            self._probe_only = probe_only
             self._arm()
 
         def _evict(self) -> bool:
-            """Close the connection that has waited longest for its headers."""
+            """Close the connection that has waited longest for its headers, else the one
+            that has been receiving its body longest (a trickled upload holds a slot
+            as a slowloris does; a request whose body is whole is never cut)."""
             waiting = [c for c in self.connections if getattr(c, "_waiting_since", None) is not None]
             if not waiting:
-                return False
+                waiting = [c for c in self.connections if getattr(c, "_body_since", None) is not None]
+                if not waiting:
+                    return False
+                victim = min(waiting, key=lambda c: c._body_since)
+                on_reject("connections")
+                victim._close_receiving()
+                return True
             victim = min(waiting, key=lambda c: c._waiting_since)
             on_reject("connections")
             victim._close_waiting()
             return True
+
+        def _close_receiving(self) -> None:
+            self._body_since = None
+            self.connections.discard(self)
+            self.transport.close()
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if self._probe_only and cycle.scope["path"] not in PROBE_PATHS:
+                on_reject("connections")
+                cycle.keep_alive = False
+                app = _probes_only
+            super()._start_asgi_task(cycle, app)
 
         def _arm(self) -> None:
             if self._header_timer is None:
@@ -219,10 +296,15 @@ def guarded_protocol(limits: HttpLimits, on_reject: Reject) -> type[HttpToolsPro
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._body_since = self.loop.time()  # until on_message_complete
             super().on_headers_complete()
             cycle = self.cycle  # the new request's (its task has not run yet)
             if cycle is not None and not isinstance(cycle.transport, _HeadWithBody):
                 cycle.transport = _HeadWithBody(cycle.transport, cycle)
+
+        def on_message_complete(self) -> None:
+            self._body_since = None
+            super().on_message_complete()
 
         def on_response_complete(self) -> None:
             idle = not self.pipeline
@@ -237,10 +319,11 @@ def guarded_protocol(limits: HttpLimits, on_reject: Reject) -> type[HttpToolsPro
     return Guarded
 
 
-def fit_connections(wanted: int) -> int:
+def fit_connections(wanted: int, probes: int = 0) -> int:
     """Raise the soft limit of open files to the hard one, and return how many HTTP
-    connections fit under it (``wanted`` at most): running out of descriptors would stop
-    ``accept`` for everyone, health checks included."""
+    connections fit under it (``wanted`` at most), with ``probes`` more kept for health
+    checks: running out of descriptors would stop ``accept`` for everyone, health checks
+    included."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
@@ -249,7 +332,7 @@ def fit_connections(wanted: int) -> int:
             soft = target
         except (ValueError, OSError):
             pass
-    fit = max(2, soft - FD_RESERVE)
+    fit = max(2, soft - FD_RESERVE - probes)
     if fit < wanted:
         log.warning("max_connections lowered to fit the open-files limit", wanted=wanted, nofile=soft, max_connections=fit)
     return min(wanted, fit)

@@ -21,6 +21,14 @@ class ReplicaMetrics:
         self.consume_errors = Counter("kvstream_consume_errors", "Consumer errors", registry=r)
         self.produce_failures = Counter("kvstream_produce_failures", "Failed deliveries (DLQ, control, active)", registry=r)
         self.resync_requests = Counter("kvstream_resync_requests", "Resync requests published", registry=r)
+        self.replica_id_conflicts = Counter(
+            "kvstream_replica_id_conflicts",
+            "Load ops of another running replica that carries this replica's id (ids must be unique)", registry=r,
+        )
+        self.resyncs_healed = Counter(
+            "kvstream_resyncs_healed",
+            "Resyncs the log's history asked for that a later epoch had already healed (not requested)", registry=r,
+        )
         self.commit_failures = Counter(
             "kvstream_position_commit_failures", "Failed commits of read positions to the replica's group", registry=r
         )
@@ -74,6 +82,27 @@ class ReplicaMetrics:
         self.dlq_referenced = Counter(
             "kvstream_dlq_referenced", "Records over the DLQ size bound, referenced (offset, size, digest) instead of copied",
             registry=r,
+        )
+        self.registry_records = Counter(
+            "kvstream_registry_records", "Worker registrations and tombstones applied from kvstream.workers", registry=r
+        )
+        self.registry_skipped = Counter(
+            "kvstream_registry_skipped",
+            "Records of kvstream.workers skipped, by reason (bad_key, undecodable, invalid, wrong_key, "
+            "unknown_tombstone)",
+            ["reason"], registry=r,
+        )
+        self.registered_workers = Gauge("kvstream_registered_workers", "Workers in the registry", registry=r)
+        self.stale = Gauge(
+            "kvstream_index_stale",
+            "1 while a live replica routes on an index it knows is behind (lag past ready_max_lag, or the "
+            "broker unreachable)", registry=r,
+        )
+        self.broker_unreachable = Gauge(
+            "kvstream_broker_unreachable", "1 while the broker does not answer the replica's offset queries", registry=r
+        )
+        self.stale_decisions = Counter(
+            "kvstream_stale_decisions", "Routing decisions made on an index known to be behind (marked stale)", registry=r
         )
         self.partitions = Gauge("kvstream_events_partitions", "Partitions of the events topic being read", registry=r)
         self._last_commit: float | None = None

@@ -23,13 +23,14 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import msgspec
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvstream.hashing import MmSpan
 from kvstream.replica import request_ids, route_body
 from kvstream.replica.auth import Scope, Tokens
-from kvstream.replica.errors import SnapshotError
+from kvstream.replica.errors import AmbiguousRequestError, SnapshotError
 from kvstream.replica.http_limits import BodyLimit, HttpLimits
 from kvstream.replica.peer import stream_snapshot
 from kvstream.replica.replica import Replica
@@ -51,6 +52,9 @@ from kvstream.router.errors import (
     UnknownRequestError,
 )
 from kvstream.router.explain import decision_dict
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
 
 RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
 
@@ -126,22 +130,29 @@ def create_app(
     tokens: Tokens | None = None,
     limits: HttpLimits | None = None,
     docs: bool = False,
+    gateway: Gateway | None = None,
 ) -> FastAPI:
     """The API of ``replica``. ``tokens`` by scope (or ``token`` for every scope; neither:
-    open); ``docs`` serves /docs and /openapi.json."""
+    open); ``docs`` serves /docs and /openapi.json; ``gateway`` adds the OpenAI endpoints
+    (kvstream.gateway.app), running for the app's lifespan."""
     tokens = tokens if tokens is not None else Tokens.build(token)
     limits = limits or HttpLimits()
     parsers: list[ProcessPoolExecutor] = []  # started on the first large body
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
+        if gateway is None:
+            yield
+        else:
+            async with gateway.running():
+                yield
         for pool in parsers:
             pool.shutdown(cancel_futures=True)
 
     app = FastAPI(
         title="kvstream replica", version="1", lifespan=lifespan,
-        docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None,
+        # /docs and /openapi.json, when asked for, are operator endpoints (below).
+        docs_url=None, redoc_url=None, openapi_url=None,
         # The replica reports by Prometheus metrics and its own logs; FastAPI's OpenTelemetry
         # hooks would look for a provider on every request (a tenth of a route's cost).
         telemetry={"tracing": False, "metrics": False, "logs": False},
@@ -198,7 +209,11 @@ def create_app(
         except (SchedulerConfigError, ValueError) as exc:
             raise HTTPException(400, str(exc)) from None
         metrics.route_latency.observe(time.perf_counter() - t0)
-        return orjson.dumps(decision_dict(decision, fields.explain))
+        body = decision_dict(decision, fields.explain)
+        if (stale := replica.staleness()) is not None:
+            metrics.stale_decisions.inc()
+            body["stale"] = stale
+        return orjson.dumps(body)
 
     def route_threads() -> anyio.CapacityLimiter:
         if not routing:
@@ -248,8 +263,18 @@ def create_app(
         return Response(answer, media_type="application/json")
 
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
+    if gateway is not None:
+        gateway.mount(app, tokens)
     if docs:
         app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=needs(Scope.OPERATOR))
+        def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=needs(Scope.OPERATOR))
+        def swagger() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API")
 
     @app.post("/v1/requests/{request_id}/prefill_done", dependencies=needs(Scope.CLIENT))
     def prefill_done(request_id: RequestId) -> dict[str, str]:
@@ -257,7 +282,7 @@ def create_app(
             replica.prefill_done(request_id)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
-        except RouterError as exc:
+        except (RouterError, AmbiguousRequestError) as exc:
             raise HTTPException(409, str(exc)) from None
         return {"request_id": request_id, "state": "decoding"}
 
@@ -267,6 +292,8 @@ def create_app(
             replica.free(request_id)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
+        except AmbiguousRequestError as exc:
+            raise HTTPException(409, str(exc)) from None
         return {"request_id": request_id, "state": "freed"}
 
     @app.get("/v1/workers", dependencies=needs(Scope.OPERATOR))
@@ -315,8 +342,12 @@ def create_app(
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
+        stale = replica.staleness()
+        reasons = replica.not_ready_reasons()
+        if stale is not None and replica.ready:
+            reasons.append(f"serving from a stale index: {stale}")
         body = {"ready": replica.ready, "lag": replica.lag(), "replica_id": replica.replica_id,
-                "reasons": replica.not_ready_reasons()}
+                "reasons": reasons, "stale": stale}
         return JSONResponse(body, status_code=200 if replica.ready else 503)
 
     @app.get("/metrics")

@@ -29,6 +29,7 @@ is moved aside (:func:`open_store`). Every RocksDB error is a :class:`SnapshotEr
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -130,6 +131,11 @@ class WorkerMeta:
     last_seen_ms: int
     last_ids: dict[int, int]
     blob: BlobRef
+    #: rank → {event id: digest} of the fold's recent window (kvstream.replica.fold.
+    #: WorkerLog.recent): a restarted replica still tells a reused id from a redelivery.
+    recent: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Whether the worker stored anything in its epoch (fold.WorkerLog.stored).
+    stored: bool = True
 
     def stamp(self, worker: int) -> bytes:
         return stamp(worker, self.epoch, self.last_ids, self.last_seen_ms)
@@ -183,6 +189,8 @@ class SnapshotMeta:
                             "last_seen_ms": wm.last_seen_ms,
                             "last_ids": {str(r): i for r, i in wm.last_ids.items()},
                             "blob": [wm.blob.gen, wm.blob.nbytes, wm.blob.checksum],
+                            "recent": {str(r): list(d.items()) for r, d in wm.recent.items()},
+                            "stored": wm.stored,
                         }
                         for w, wm in pm.workers.items()
                     },
@@ -211,6 +219,9 @@ class SnapshotMeta:
                     pm.workers[int(w)] = WorkerMeta(
                         wd["epoch"], wd["lease_ms"], wd["last_seen_ms"],
                         {int(r): i for r, i in wd["last_ids"].items()}, BlobRef(*wd["blob"]),
+                        # Absent from snapshots written before the digests were kept.
+                        {int(r): {int(i): int(d) for i, d in pairs} for r, pairs in wd.get("recent", {}).items()},
+                        bool(wd.get("stored", True)),
                     )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"malformed snapshot meta: {exc}") from None
@@ -299,7 +310,9 @@ class SnapshotStore:
                 return Rdict(str(self.path), opts, access_type=AccessType.read_only())
             self.path.parent.mkdir(parents=True, exist_ok=True)
             opts.create_if_missing(True)
-            return Rdict(str(self.path), opts)
+            db = Rdict(str(self.path), opts)
+            self._identity = _identity(self.path)
+            return db
         except Exception as exc:  # rocksdict raises plain Exceptions for I/O problems
             raise SnapshotError(f"cannot open snapshot store {self.path}: {exc}") from None
 
@@ -379,6 +392,10 @@ class SnapshotStore:
     def commit(self, meta: SnapshotMeta, prev: int) -> None:
         """Make ``meta``'s generation the newest, atomically, with ``prev`` (the last
         generation known good, 0 for none) as its fallback; delete the rest."""
+        if not self.read_only and _identity(self.path) != self._identity:
+            # RocksDB writes on into the files it has open: a commit would succeed, into
+            # files nobody can read again.
+            raise SnapshotError(f"the snapshot directory {self.path} was deleted or replaced under the replica")
         wb = WriteBatch(raw_mode=True)
         wb.put(_meta_key(meta.gen), meta.to_bytes())
         wb.put(_HEAD, struct.pack(">QQ", meta.gen, prev))
@@ -507,6 +524,15 @@ class SnapshotStore:
 
     def workers_of(self, meta: SnapshotMeta) -> Mapping[int, WorkerMeta]:
         return dict(meta.workers())
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The directory's (device, inode); None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def open_store(path: Path) -> tuple[SnapshotStore | None, str | None]:

@@ -159,7 +159,8 @@ class Snapshotter:
                 continue
             ref = None if wid in fold.dirty else getattr(base_workers.get(wid), "blob", None)
             wm = pm.workers[wid] = WorkerMeta(
-                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref or _PENDING
+                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref or _PENDING,
+                {r: dict(d) for r, d in wlog.recent.items()}, wlog.stored,
             )
             if ref is None:
                 blobs.append((wid, wm.stamp(wid) + pack_worker(export(wid))))
@@ -261,6 +262,9 @@ def restore_fold(
         fold.restore_partition(p, pm.next_offset, pm.log_time_ms)
         for wid, wm in pm.workers.items():
             if fold.restore_worker(
-                wid, WorkerLog(p, wm.epoch, wm.lease_ms, wm.last_seen_ms, dict(wm.last_ids))
+                wid, WorkerLog(
+                    p, wm.epoch, wm.lease_ms, wm.last_seen_ms, dict(wm.last_ids),
+                    {r: dict(d) for r, d in wm.recent.items()}, wm.stored,
+                )
             ):
                 index.import_worker(wid, packed_worker(blobs[wid]))

@@ -13,7 +13,6 @@ non-zero, so that the orchestrator sees it) and the replica stays unready for go
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,6 +99,11 @@ class Supervisor:
                 return
             self.metrics.thread_up.labels(thread=name).set(1)
             log.warning("thread restarting", thread=name, after_s=wait)
+
+    def give_up(self, reason: str) -> None:
+        """Make the replica give up for a reason no restart of a thread can mend (a
+        configuration error seen at run time)."""
+        self._die(reason)
 
     def _die(self, reason: str) -> None:
         self.fatal = reason

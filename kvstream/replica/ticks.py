@@ -18,7 +18,7 @@ key and value (the log may still hold them) and new ones only advance log time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstream.events.codec import AvroCodec
@@ -30,11 +30,6 @@ TICK = "kvstream.events.Tick"
 #: (any u64 is a valid worker id).
 TICK_KEY = b"\xff" * 8
 TICK_HEADERS = [(TICK_HEADER, b"")]
-
-
-def is_tick(headers: Sequence[tuple[str, bytes | None]] | None) -> bool:
-    """Whether a record of the events topic with these headers is a tick."""
-    return bool(headers) and any(k == TICK_HEADER for k, _ in headers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,22 +137,31 @@ def decide(
     request_id: str | None,
     now: float,
     max_tokens: int | None = None,
+    candidates: Sequence[WorkerKey] | None = None,
 ) -> tuple[Schedule, PackedHashes | None, int]:
     """One kv decision in the core: (schedule, the prompt's sequence hashes when the
-    request was added as ``request_id``, prompt length in tokens).
+    request was added as ``request_id``, prompt length in tokens). ``candidates`` as
+    in Router.find_best_match (None: every worker the index knows).
 
     Raises NoEligibleWorkerError (saying why), DuplicateRequestError, ValueError (bad
     token ids or a binary body that is not whole u32s).
     """
     if request_id is not None and request_id in active.core:
         raise DuplicateRequestError(f"request {request_id!r} is already active")
-    keys = index.workers()
-    if not keys:
-        raise NoEligibleWorkerError("no workers known: none has published any event")
+    if candidates is None:
+        slots = index._keys  # noqa: SLF001 (per slot: its key, or None)
+        keys = index.workers()
+        if not keys:
+            raise NoEligibleWorkerError("no workers known: none has published any event")
+    else:
+        slots = index.candidate_slots(candidates)
+        keys = [k for k in slots if k is not None]
+        if not keys:
+            raise NoEligibleWorkerError("no candidate worker was given")
     allowed = cfg.allowed_workers
     chosen, ov, ld, cols, probs, seqs, isl = active.core.route(
         index._core,  # noqa: SLF001 (the seam between the two core objects)
-        index._keys,  # noqa: SLF001 (per slot: its key, or None)
+        slots,
         tokens,
         block_size,
         lora_seed(lora_name),

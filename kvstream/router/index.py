@@ -122,6 +122,20 @@ class TieredIndex:
         """Every (worker, dp_rank) that has published anything, in slot order."""
         return [k for k in self._keys if k is not None]
 
+    def candidate_keys(self, wanted: Sequence[WorkerKey]) -> list[WorkerKey]:
+        """The routing candidates for ``wanted``: every rank the index knows of their
+        workers, in slot order, then the wanted keys it does not know, in their order."""
+        return [k for k in self.candidate_slots(wanted) if k is not None]
+
+    def candidate_slots(self, wanted: Sequence[WorkerKey]) -> list[WorkerKey | None]:
+        """Per slot, its key when it is a candidate for ``wanted`` (else None), then
+        the wanted keys the index does not know (as slots past the last one: they hold
+        no block)."""
+        ids = {k[0] for k in wanted}
+        slots = [k if k is not None and k.worker_id in ids else None for k in self._keys]
+        known = self._slot_of
+        return slots + [WorkerKey(*k) for k in dict.fromkeys(wanted) if (k[0], k[1]) not in known]
+
     def knows(self, worker_id: int) -> bool:
         return worker_id in self._ranks
 
@@ -139,12 +153,11 @@ class TieredIndex:
 
     def worker_blocks(self, worker_id: int) -> int:
         """Blocks a worker holds over every rank and tier: O(its ranks)."""
-        size = self._core.size
-        return sum(
-            size(i, self._slot_of[(worker_id, rank)])
-            for rank in self._ranks.get(worker_id, ())
-            for i in range(len(TIERS))
-        )
+        size, slot_of = self._core.slot_size, self._slot_of
+        total = 0
+        for rank in self._ranks.get(worker_id, ()):
+            total += size(slot_of[(worker_id, rank)])
+        return total
 
     def clear_worker(self, worker_id: int) -> None:
         """Drop every block of every rank of a worker, on every tier; it stays known."""
@@ -224,6 +237,38 @@ class TieredIndex:
             self._core.clear_tier(_TIER_INDEX[event.tier], slot)
             return None
         raise TypeError(f"not a router event: {event!r}")
+
+    def apply_packed(
+        self,
+        kind: type[RouterEvent],
+        worker_id: int,
+        dp_rank: int,
+        tier: Tier,
+        parent_hash: int | None,
+        data: bytes,
+        blocks_at: int,
+        tokens_at: int,
+        count: int,
+    ) -> str | None:
+        """:meth:`apply` of an event whose hashes are still packed in a message:
+        ``count`` little-endian u64 block hashes at byte ``blocks_at`` of ``data`` (and
+        as many tokens hashes at ``tokens_at`` for a stored event)."""
+        slot = self._slot(worker_id, dp_rank)
+        if kind is Stored:
+            outcome = self._core.store_packed(_TIER_INDEX[tier], slot, parent_hash, data, blocks_at, tokens_at, count)
+            reason = _STORE_OUTCOME[outcome]
+            if reason is not None:
+                self.counters[reason] += 1
+            return reason
+        if kind is Removed:
+            unknown = self._core.remove_packed(_TIER_INDEX[tier], slot, data, blocks_at, count)
+            if unknown:
+                self.counters[UNKNOWN_REMOVE] += unknown
+            return None
+        if kind is Cleared:
+            self._core.clear_tier(_TIER_INDEX[tier], slot)
+            return None
+        raise TypeError(f"not a router event kind: {kind!r}")
 
     # -- queries ---------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from kvstream.router.active import (
 )
 from kvstream.router.core import CoreActiveSequences, PromptTokens
 from kvstream.router.core import decide as decide_in_core
-from kvstream.router.errors import DuplicateRequestError, UnknownWorkerError
+from kvstream.router.errors import DuplicateRequestError, NoEligibleWorkerError, UnknownWorkerError
 from kvstream.router.index import NO_OVERLAP, TieredIndex, TierOverlap, WorkerKey
 from kvstream.router.scheduler import (
     Candidates,
@@ -117,12 +117,23 @@ class Router:
     def workers(self) -> list[WorkerKey]:
         return self.index.workers()
 
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self.active
+
+    def active_requests(self) -> int:
+        return len(self.active)
+
     def remove_worker(self, worker_id: int) -> list[WorkerKey]:
         """Forget a worker: its blocks on every tier and rank, and its active requests."""
         if not self.index.knows(worker_id):
             raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
-        self.active.remove_worker(worker_id)
+        self.drop_requests(worker_id)
         return self.index.remove_worker(worker_id)
+
+    def drop_requests(self, worker_id: int) -> list[str]:
+        """Forget a removed worker's active requests (its load went with it); returns
+        their ids. Replay applies it where the worker was removed among the ops."""
+        return self.active.remove_worker(worker_id)
 
     # -- requests --------------------------------------------------------------------
 
@@ -136,11 +147,15 @@ class Router:
         *,
         cache_salt: str | None = None,
         mm: Sequence[MmSpan] = (),
+        candidates: Sequence[WorkerKey] | None = None,
     ) -> RouteDecision:
         """Choose a worker for a prompt. With a ``request_id`` and not ``query_only``,
         the request is added to the active sequences (``decision.op``). The policy is
         the config's, or ``overrides.policy``. ``cache_salt`` and ``mm`` (multimodal
-        spans) change the blocks' identity as in DESIGN §1."""
+        spans) change the blocks' identity as in DESIGN §1. ``candidates``: only these
+        keys and the other ranks the index knows of their workers compete, indexed or
+        not (a registered worker that has published nothing yet competes with no
+        overlap); None: every worker the index knows."""
         track = request_id is not None and not query_only
         # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
         # stays in Python, over the same load (CoreActiveSequences has its interface).
@@ -152,7 +167,7 @@ class Router:
             and not mm
             and self.scheduler.config.with_overrides(overrides).policy == "kv"
         ):
-            return self._decide_in_core(token_ids, lora_name, request_id, track, overrides)
+            return self._decide_in_core(token_ids, lora_name, request_id, track, overrides, candidates=candidates)
         if track and request_id in self.active:
             raise DuplicateRequestError(f"request {request_id!r} is already active")
         if isinstance(token_ids, bytes | bytearray | memoryview):  # packed LE u32 ids
@@ -163,7 +178,7 @@ class Router:
         block_size = self.config.block_size
         local, seqs = block_hashes(token_ids, block_size, lora_name, cache_salt=cache_salt, mm=mm)
         isl = len(token_ids)
-        schedule = self.schedule_hashes(isl, local, seqs, overrides, now)
+        schedule = self.schedule_hashes(isl, local, seqs, overrides, now, candidates=candidates)
         winner = schedule.candidates.workers[schedule.chosen]
         active = self.active
         op = None
@@ -189,6 +204,8 @@ class Router:
         track: bool,
         overrides: SchedulerOverrides | None,
         max_tokens: int | None = None,
+        *,
+        candidates: Sequence[WorkerKey] | None = None,
     ) -> RouteDecision:
         assert isinstance(self.active, CoreActiveSequences)
         now = self.clock()
@@ -197,7 +214,7 @@ class Router:
         tracked_id = request_id if track else None
         schedule, seqs, isl = decide_in_core(
             self.index, self.active, self.scheduler, self.scheduler.config.with_overrides(overrides),
-            self.config.block_size, token_ids, lora_name, tracked_id, now, max_tokens,
+            self.config.block_size, token_ids, lora_name, tracked_id, now, max_tokens, candidates,
         )
         winner = schedule.candidates.workers[schedule.chosen]
         op = None
@@ -213,15 +230,19 @@ class Router:
         seq_hashes: Sequence[int],
         overrides: SchedulerOverrides | None = None,
         now: float | None = None,
+        *,
+        candidates: Sequence[WorkerKey] | None = None,
     ) -> Schedule:
-        """Score every known candidate for a prompt given by its block hashes (what
-        find_best_match does after hashing; replay tools call it with logged hashes).
-        Expires old requests first; applies nothing else."""
+        """Score every candidate (``candidates`` as in find_best_match) for a prompt
+        given by its block hashes (what find_best_match does after hashing; replay tools
+        call it with logged hashes). Expires old requests first; applies nothing else."""
+        keys = tuple(self.index.workers()) if candidates is None else tuple(self.index.candidate_keys(candidates))
+        if candidates is not None and not keys:  # before expiring, as the core does
+            raise NoEligibleWorkerError("no candidate worker was given")
         active = self.active
         active.expire(now)
         overlaps = self.index.find_matches_by_tier(local_hashes, seq_hashes)
         get_overlap = overlaps.get
-        keys = tuple(self.index.workers())
         n = len(keys)
         flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
         overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]

@@ -10,14 +10,17 @@ from pathlib import Path
 
 import click
 
+from kvstream.gateway.errors import RegistrationError
+from kvstream.gateway.registry import Registration, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
 from kvstream.logs import get_logger
 from kvstream.settings import Settings, SettingsError, load_settings
+from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
 from kvstream.worker.errors import BridgeStateError, EngineBridgeError, PublisherError
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
-from kvstream.worker.publisher import PublisherOptions, QueueFull
+from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
 from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, Flavour
 
 log = get_logger(__name__)
@@ -62,6 +65,23 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
     help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks. [settings: worker.state_dir]",
 )
 @click.option("--checkpoint-s", type=click.FloatRange(0.1), help="With --state-dir: checkpoint period. [settings: worker.checkpoint_s, default 10]")
+@click.option(
+    "--offload-blocks-per-chunk",
+    type=click.IntRange(1),
+    help="vLLM: the offloading connector's blocks_per_chunk, when its KV events are not self-describing "
+    "(each offload event then names a chunk by its last block). [settings: worker.offload_blocks_per_chunk, default 1]",
+)
+@click.option(
+    "--engine-url",
+    help="The engine's OpenAI-compatible base URL (http://host:port, no /v1), registered on "
+    "kvstream.workers so that router replicas (the gateway) can send it requests. Without it "
+    "the worker is registered but not routable by the gateway (e.g. a synthetic worker).",
+)
+@click.option(
+    "--model", "models", multiple=True,
+    help="A model name the engine serves (its served model name); repeat for each. Needed with --engine-url.",
+)
+@click.option("--lora", "loras", multiple=True, help="A LoRA adapter name the engine serves; repeat for each.")
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
@@ -90,6 +110,10 @@ def worker(
     block_size: int | None,
     state_dir: Path | None,
     checkpoint_s: float | None,
+    offload_blocks_per_chunk: int | None,
+    engine_url: str | None,
+    models: tuple[str, ...],
+    loras: tuple[str, ...],
     worker_id: int,
     bootstrap: str | None,
     config: str | None,
@@ -118,6 +142,16 @@ def worker(
         raise click.UsageError("--disk-blocks needs --disk-dir")
     if engine != "synthetic" and not endpoints:
         raise click.UsageError(f"--engine {engine} needs --endpoint (the engine's KV-event PUB address)")
+    if engine_url is not None and not models:
+        raise click.UsageError("--engine-url needs at least one --model (the names the gateway routes by)")
+    try:
+        if engine_url is not None:
+            normalize_url(engine_url)
+        # Checked here so that a bad name fails before anything starts.
+        Registration(worker_id, engine_url, models, loras, 1, (0,), engine, None, 0, 0)
+    except RegistrationError as exc:
+        raise click.UsageError(str(exc)) from None
+    serves = Serves(engine_url, models, loras)
     if replay_endpoints and len(replay_endpoints) != len(endpoints):
         raise click.UsageError(
             f"{len(replay_endpoints)} --replay-endpoint for {len(endpoints)} --endpoint: give one per endpoint, or none"
@@ -131,6 +165,7 @@ def worker(
         "metrics_port": metrics_port,
         "state_dir": str(state_dir) if state_dir is not None else None,
         "checkpoint_s": checkpoint_s,
+        "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
@@ -155,6 +190,7 @@ def worker(
         _run_synthetic(
             settings, options, Mode(ws.mode), stop, metrics_addr,
             SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir, disk_min_seen),
+            serves,
         )
         return
     try:
@@ -166,6 +202,7 @@ def worker(
             topic=topic.encode(),
             flavour=Flavour.AUTO if engine == "zmq" else Flavour(engine),
             block_size=block_size or settings.router.block_size,
+            offload_blocks_per_chunk=ws.offload_blocks_per_chunk,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -177,8 +214,13 @@ def worker(
     except (PublisherError, KafkaConfigError, BridgeStateError) as exc:
         raise click.ClickException(f"cannot start the worker: {exc}") from None
     left = 0
+    announcer: WorkerAnnouncer | None = None
     try:
         node.start()
+        announcer = _announce(
+            settings, serves, node.publisher, bridge_options.block_size,
+            tuple(e.default_dp_rank for e in bridge_options.endpoints), engine, None,
+        )
         if ws.metrics_port:
             serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
         log.info(
@@ -189,10 +231,50 @@ def worker(
     except (PublisherError, EngineBridgeError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
+        _withdraw(announcer)
         left = node.close()
         log.info("worker_stopped", worker_id=worker_id, batches=node.publisher.stats.batches, undelivered=left)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")
+
+
+@dataclass(frozen=True, slots=True)
+class Serves:
+    """What the worker registers for the gateway (kvstream.gateway.registry)."""
+
+    engine_url: str | None
+    models: tuple[str, ...]
+    loras: tuple[str, ...]
+
+
+def _announce(
+    settings: Settings, serves: Serves, publisher: KafkaPublisher, block_size: int,
+    dp_ranks: tuple[int, ...], engine: str, kv_capacity_blocks: int | None,
+) -> WorkerAnnouncer:
+    """Register the worker under its publisher's first epoch (its incarnation)."""
+    reg = Registration(
+        publisher.worker_id, serves.engine_url, serves.models, serves.loras, block_size, dp_ranks, engine,
+        kv_capacity_blocks, publisher.epoch, int(time.time() * 1000),
+    )
+    announcer = WorkerAnnouncer(settings, reg)
+    try:
+        announcer.announce()
+    except BaseException:
+        announcer.close()
+        raise
+    return announcer
+
+
+def _withdraw(announcer: WorkerAnnouncer | None) -> None:
+    """The tombstone, on the way out; a failure is logged, never masks why we stop."""
+    if announcer is None:
+        return
+    try:
+        announcer.withdraw()
+    except PublisherError as exc:
+        log.error("worker_unregister_failed", worker_id=announcer.registration.worker_id, error=str(exc))
+    finally:
+        announcer.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +297,7 @@ def _run_synthetic(
     stop: threading.Event,
     metrics_addr: str,
     run: SyntheticRun,
+    serves: Serves,
 ) -> None:
     # torch is imported only here: a zmq worker (and any router host) runs without it.
     from kvstream.worker.node import SyntheticNode, SyntheticNodeOptions
@@ -228,6 +311,13 @@ def _run_synthetic(
     try:
         node = SyntheticNode(settings, node_options)
     except (PublisherError, KafkaConfigError, ValueError) as exc:
+        raise click.ClickException(f"cannot start the synthetic worker: {exc}") from None
+    try:
+        announcer = _announce(
+            settings, serves, node.publisher, node_options.layout.block_size, (0,), "synthetic", run.device_blocks
+        )
+    except PublisherError as exc:
+        node.close()
         raise click.ClickException(f"cannot start the synthetic worker: {exc}") from None
     ws = settings.worker
     if ws.metrics_port:
@@ -250,6 +340,7 @@ def _run_synthetic(
     except PublisherError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
+        _withdraw(announcer)
         left = node.close()
         log.info("worker_stopped", worker_id=options.worker_id, prompts=done, undelivered=left)
     if left:

@@ -52,3 +52,7 @@ class EngineBridgeError(RuntimeError):
 
 class BridgeStateError(RuntimeError):
     """The bridge's saved state cannot be used (another worker's, unreadable, locked)."""
+
+
+class RegistryTopicError(PublisherError):
+    """The worker's registration cannot be put on the workers topic (missing, refused)."""

@@ -130,25 +130,34 @@ class ResyncRequest:
     requester: str
     reason: str
     requested_at_ms: int
+    #: The epoch the log holds for the worker (None: unknown); the new epoch must be
+    #: greater: a plausible epoch forged ahead of the worker's own is outranked so.
+    above_epoch: int | None = None
 
     def to_record(self) -> dict[str, Any]:
-        wid = self.worker_id
         return {
-            "worker_id": None if wid is None else (wid - (1 << 64) if wid >= 1 << 63 else wid),
+            "worker_id": _signed(self.worker_id),
             "requester": self.requester,
             "reason": self.reason,
             "requested_at_ms": self.requested_at_ms,
+            "above_epoch": _signed(self.above_epoch),
         }
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ResyncRequest:
-        wid = record["worker_id"]
+        wid, above = record["worker_id"], record.get("above_epoch")
         return cls(
             worker_id=None if wid is None else wid & _U64,
             requester=record["requester"],
             reason=record["reason"],
             requested_at_ms=record["requested_at_ms"],
+            above_epoch=None if above is None else above & _U64,
         )
+
+
+def _signed(v: int | None) -> int | None:
+    """A u64 as the two's-complement long Avro carries."""
+    return None if v is None else (v - (1 << 64) if v >= 1 << 63 else v)
 
 
 def send_resync_request(settings: Settings, request: ResyncRequest, timeout_s: float = 30.0) -> None:
@@ -305,6 +314,8 @@ class KafkaPublisher:
         self._last_sent = time.monotonic()
         self._resync_reason: str | None = None
         self._last_resync = float("-inf")
+        #: The greatest ``above_epoch`` of the resync requests not answered yet.
+        self._resync_above = 0
         #: Why no more events are taken (closed, or a fatal producer error); None: open.
         self._stopped: str | None = None
         self._released = False
@@ -397,10 +408,11 @@ class KafkaPublisher:
 
     # ------------------------------------------------------------------ batches
 
-    def _start_epoch(self) -> None:
+    def _start_epoch(self, above: int = 0) -> None:
         # Wall-clock ns: greater than any earlier incarnation's (clocks permitting), and
-        # strictly greater than this process's previous epoch whatever the clock does.
-        self.epoch = max(time.time_ns(), self.epoch + 1) & _U64
+        # strictly greater than this process's previous epoch whatever the clock does,
+        # and than ``above`` (the epoch a resync request says the log holds).
+        self.epoch = max(time.time_ns(), self.epoch + 1, above + 1) & _U64
         self._next_id = {}
         self.cleared(0)
 
@@ -507,6 +519,8 @@ class KafkaPublisher:
                 self.stats.resync_requests += 1
                 log.info("resync_requested", requester=req.requester, reason=req.reason)
                 self._resync_reason = f"requested by {req.requester}: {req.reason}"
+                if req.above_epoch is not None and req.above_epoch < _U64:
+                    self._resync_above = max(self._resync_above, req.above_epoch)
                 self._last_resync = float("-inf")  # requests are answered at once
             self.stats.control_errors = self._control.errors
         if self._resync_reason is not None and now - self._last_resync >= self.options.resync_backoff_s:
@@ -518,7 +532,8 @@ class KafkaPublisher:
         self._cut()  # whatever the old epoch had pending goes out first, whole
         self._resync_reason = None
         self._last_resync = time.monotonic()
-        self._start_epoch()
+        self._start_epoch(self._resync_above)
+        self._resync_above = 0
         state.replay(self)
         self._cut()
         self.stats.resyncs += 1

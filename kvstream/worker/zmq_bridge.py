@@ -9,8 +9,10 @@ publishers at the pinned versions (vLLM 0.33.0, SGLang 0.5.23):
   counter per publisher (one publisher per DP rank, each on its own port), ``payload``
   msgpack of ``[ts, events, dp_rank]``;
 - events: msgspec tagged maps, ``{"type": "BlockStored", "block_hashes": ..., ...}``
-  (older vLLM releases encoded them as arrays, tag first, in vLLM's field order: both
-  are read); block hashes are ints (maybe negative i64) or bytes digests;
+  (older vLLM releases, and SGLang's positional form, encode them as arrays, tag first,
+  in the engine's own field order: both are read, SGLang's with ``Flavour.SGLANG``);
+  block hashes are ints, u64 or signed i64 (TensorRT-LLM's vLLM-format events: the
+  same u64 either way), or bytes digests;
 - replay: a ROUTER that takes ``[b"", start_seq]`` from a DEALER and answers
   ``[b"", topic, seq, payload]`` per buffered message from ``start_seq`` on, then
   ``[b"", b"", -1, b""]`` (releases before the topic frame: the same without it).
@@ -128,8 +130,13 @@ class BridgeOptions:
     replay_timeout_ms: int = 2000
     #: Receive high-water mark, in messages.
     rcvhwm: int = 1_000_000
+    #: vLLM's offloading connector ``blocks_per_chunk``: one offload placeholder event
+    #: (no tokens) names a chunk by its last block only. Not on the wire.
+    offload_blocks_per_chunk: int = 1
 
     def __post_init__(self) -> None:
+        if self.offload_blocks_per_chunk < 1:
+            raise ValueError(f"offload_blocks_per_chunk must be >= 1, got {self.offload_blocks_per_chunk}")
         if not self.endpoints:
             raise ValueError("a bridge needs at least one engine endpoint")
         names = [e.endpoint for e in self.endpoints]
@@ -201,7 +208,7 @@ class _Skip(Exception):
 
 
 #: vLLM's field order, for the array form of older releases (after the tag).
-_ARRAY_FIELDS = {
+_VLLM_ARRAY_FIELDS = {
     "BlockStored": (
         "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
         "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
@@ -210,14 +217,28 @@ _ARRAY_FIELDS = {
     "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
     "AllBlocksCleared": (),
 }
+#: SGLang's field order, for its positional form (msgspec ``array_like`` events, which
+#: its PRs describe; 0.5.23 sends tagged maps): the salt comes before the LoRA name.
+_SGLANG_ARRAY_FIELDS = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "cache_salt",
+        "session_id", "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+#: Which order an engine's array events are read in (unknown: vLLM's, the older form).
+_ARRAY_FIELDS = {
+    Flavour.VLLM: _VLLM_ARRAY_FIELDS, Flavour.SGLANG: _SGLANG_ARRAY_FIELDS, Flavour.AUTO: _VLLM_ARRAY_FIELDS,
+}
 
 
-def _as_map(ev: Any) -> tuple[Any, Mapping[str, Any]]:
+def _as_map(ev: Any, flavour: Flavour) -> tuple[Any, Mapping[str, Any]]:
     """(tag, fields) of a map- or array-encoded event."""
     if isinstance(ev, dict):
         return ev.get("type"), ev
     if isinstance(ev, list | tuple) and ev:
-        names = _ARRAY_FIELDS.get(ev[0]) if isinstance(ev[0], str) else None
+        names = _ARRAY_FIELDS[flavour].get(ev[0]) if isinstance(ev[0], str) else None
         return ev[0], dict(zip(names or (), ev[1:]))
     raise _Skip(Issue.MALFORMED_EVENT, f"event is a {type(ev).__name__}, not a tagged map or array")
 
@@ -254,10 +275,16 @@ class EventConverter:
     (what a clear clears), cache salts of vLLM chains (vLLM names the salt in the first
     block's extra keys only; its children inherit it), the detected flavour."""
 
-    def __init__(self, flavour: Flavour, block_size: int | None, resolver: BlockResolver | None) -> None:
+    def __init__(
+        self, flavour: Flavour, block_size: int | None, resolver: BlockResolver | None, blocks_per_chunk: int = 1
+    ) -> None:
         self.flavour = flavour
         self._block_size = block_size
         self._resolver = resolver
+        self._per_chunk = blocks_per_chunk
+        #: (rank, lower tier) → last block of an offloaded placeholder chunk → the
+        #: chunk's blocks: vLLM's placeholder removal names the last block only.
+        self.chunks: dict[tuple[int, Tier], dict[int, tuple[int, ...]]] = {}
         self.seen_tiers: dict[int, set[Tier]] = {}
         self.salts: dict[int, dict[int, str]] = {}
         #: Blocks of the last converted event that could not be resolved.
@@ -277,6 +304,7 @@ class EventConverter:
                 "tiers": {r: [t.value for t in ts] for r, ts in self.seen_tiers.items()},
                 "salts": self.salts,
                 "refs": [[r, t.value, dict(c)] for (r, t), c in self.extra_refs.items() if c],
+                "chunks": [[r, t.value, c] for (r, t), c in self.chunks.items() if c],
             }
         )
 
@@ -287,13 +315,14 @@ class EventConverter:
         self.seen_tiers = {r: {Tier(t) for t in ts} for r, ts in d["tiers"].items()}
         self.salts = {r: dict(m) for r, m in d["salts"].items()}
         self.extra_refs = {(r, Tier(t)): Counter(c) for r, t, c in d["refs"]}
+        self.chunks = {(r, Tier(t)): {k: tuple(v) for k, v in c.items()} for r, t, c in d.get("chunks", ())}
 
     # -- conversion -------------------------------------------------------------------
 
     def convert(self, ev: Any, dp_rank: int) -> list[SourceEvent]:
         """One decoded engine event → source events. Raises :class:`_Skip` for input
         that cannot be applied."""
-        tag, fields = _as_map(ev)
+        tag, fields = _as_map(ev, self.flavour)
         try:
             if self.flavour is Flavour.AUTO and isinstance(ev, dict):
                 self._detect(fields)  # the array form is older vLLM's; nothing to learn
@@ -308,6 +337,9 @@ class EventConverter:
                 if salts:
                     for h in hashes:
                         salts.pop(h, None)
+                chunks = self.chunks.get((dp_rank, tier))
+                if chunks:
+                    hashes = tuple(b for h in hashes for b in chunks.pop(h, (h,)))
                 refs = self.extra_refs.get((dp_rank, tier))
                 if refs:
                     hashes = tuple(h for h in hashes if not _release(refs, h))
@@ -325,6 +357,7 @@ class EventConverter:
             self.salts.pop(dp_rank, None)
         for t in tiers:
             self.extra_refs.pop((dp_rank, t), None)
+            self.chunks.pop((dp_rank, t), None)
         return [SourceCleared(t, dp_rank) for t in sorted(seen & tiers, key=_TIER_ORDER.index)]
 
     def _detect(self, ev: Mapping[str, Any]) -> None:
@@ -450,25 +483,30 @@ class EventConverter:
     def _placeholder(self, tier: Tier, dp_rank: int, hashes: tuple[int, ...]) -> list[SourceEvent]:
         """vLLM's default offload events name blocks by hash only; it uses the same hash
         for a GPU block and its copies, so what the device source knows fills them in.
-        Consecutive blocks that chain on the device form one stored event each run."""
+        Each hash is a chunk's last block (``blocks_per_chunk`` of them: the chunk is
+        that block and its parents on the device). Consecutive blocks that chain on the
+        device form one stored event each run."""
         out: list[SourceEvent] = []
         run: list[int] = []
         run_tokens: list[int] = []
         run_parent: int | None = None
         missing = 0
         for h in hashes:
-            known = self._resolver.lookup(dp_rank, Tier.DEVICE, h) if self._resolver else None
-            if known is None:
-                missing += 1
+            chunk = self._chunk(dp_rank, h)
+            if chunk is None:
+                missing += self._per_chunk
                 continue
-            parent, tokens = known
+            parent, blocks = chunk
             if run and parent != run[-1]:
                 out.append(SourceStored(tier, dp_rank, run_parent, tuple(run), tuple(run_tokens)))
                 run, run_tokens = [], []
             if not run:
                 run_parent = parent
-            run.append(h)
-            run_tokens.append(tokens)
+            for b, tokens in blocks:
+                run.append(b)
+                run_tokens.append(tokens)
+            if len(blocks) > 1:
+                self.chunks.setdefault((dp_rank, tier), {})[h] = tuple(b for b, _ in blocks)
         if run:
             out.append(SourceStored(tier, dp_rank, run_parent, tuple(run), tuple(run_tokens)))
         if out:
@@ -480,12 +518,41 @@ class EventConverter:
             self.unresolved = missing
         return out
 
+    def _chunk(self, dp_rank: int, last: int) -> tuple[int | None, list[tuple[int, int]]] | None:
+        """(the chunk's parent, its (block, tokens hash) pairs in order) of the chunk
+        ending at device block ``last``; None when the device source cannot name all of
+        it (a chunk starts at a multiple of its size: one that reaches a root early lost
+        its parent on the device, and its place is unknown)."""
+        if self._resolver is None:
+            return None
+        lookup = self._resolver.lookup
+        blocks: list[tuple[int, int]] = []
+        h: int | None = last
+        parent: int | None = None
+        while h is not None and len(blocks) < self._per_chunk:
+            known = lookup(dp_rank, Tier.DEVICE, h)
+            if known is None:
+                return None
+            parent, tokens = known
+            blocks.append((h, tokens))
+            h = parent
+        if len(blocks) < self._per_chunk:
+            return None
+        blocks.reverse()
+        return parent, blocks
+
 
 @dataclass(slots=True)
 class BridgeStats:
     messages: int = 0  # engine messages handled (live and replayed)
     events: int = 0  # engine events turned into source events
     replayed: int = 0  # messages recovered through the replay endpoints
+
+
+#: Applied messages remembered per endpoint to tell a duplicate (live after a replay)
+#: from a restarted engine's message of the same number: more than a replay can
+#: overlap the live stream by (what arrives while the buffer is read).
+_RECENT = 4096
 
 
 @dataclass(slots=True)
@@ -501,9 +568,9 @@ class _Stream:
     #: XXH3 of the last payload applied: a restarted engine's message of that number
     #: differs, which is how a reconnection tells a new engine from the same one.
     last_digest: int = 0
-    #: The last reconnection could not be checked (no replay answer): a number going
-    #: backwards then means a restart, as without a replay endpoint.
-    unverified: bool = False
+    #: (number, XXH3) of the last ``_RECENT`` messages applied, at number % _RECENT: a
+    #: number seen again is a duplicate only with the same bytes.
+    recent: list[tuple[int, int] | None] = field(default_factory=lambda: [None] * _RECENT)
     ranks: set[int] = field(default_factory=set)
 
 
@@ -516,8 +583,11 @@ class ZmqEngineBridge:
     replay buffer for the last message it applied: the same bytes mean the same engine
     (and the rest of the reply is what it missed); anything else means a restarted
     engine (its caches are empty: every tier of its ranks is cleared, and its buffer is
-    replayed from 0). Without a replay endpoint, a number that goes backwards is the
-    only sign of a restart."""
+    replayed from 0). Knowing no position (a new worker, or one that lost its state),
+    it asks for the buffer from 0: an idle engine's blocks are known at once. Without a
+    reconnection (a forwarder between engine and bridge), a restart shows in the
+    numbers and bytes: a number seen again with other bytes, or a jump whose replay
+    starts with other bytes than the last message applied."""
 
     def __init__(
         self,
@@ -533,7 +603,9 @@ class ZmqEngineBridge:
         self._by_socket: dict[zmq.Socket, _Stream] = {}
         self._monitors: dict[zmq.Socket, _Stream] = {}
         self._poller = zmq.Poller()
-        self.converter = EventConverter(options.flavour, options.block_size, resolver)
+        self.converter = EventConverter(
+            options.flavour, options.block_size, resolver, options.offload_blocks_per_chunk
+        )
         self.stats = BridgeStats()
         #: Skipped / missing input by reason.
         self.issues: Counter[Issue] = Counter()
@@ -638,28 +710,27 @@ class ZmqEngineBridge:
             self._issue(Issue.MALFORMED_FRAME, f"frame sizes {shape}, expected [topic, 8-byte seq, payload]")
             return
         seq = int.from_bytes(frames[1], "big")
-        expected = s.expected
-        if expected is None:
-            if seq > 0:
-                # Joined an engine that was already running: its history so far comes
-                # from its replay buffer (engines number their messages from 0).
-                self._gap(s, 0, seq)
-        elif seq > expected:
-            self._gap(s, expected, seq)
-        elif seq < expected:
-            if s.ep.replay_endpoint and not s.unverified:
-                # Already applied (it came through a replay too); a restart would have
-                # been seen on the reconnection.
+        payload = frames[2]
+        digest = xxhash.xxh3_64_intdigest(payload)
+        if s.expected is not None and seq < s.expected:
+            if s.recent[seq % _RECENT] == (seq, digest):
+                # Already applied (it came through a replay too).
                 self._issue(Issue.DUPLICATE, f"message {seq} already applied")
                 return
+            # A number seen before with other bytes (or too old to be a duplicate): a
+            # new engine numbering from 0 again, seen without a reconnection (a ZMQ
+            # forwarder or proxy keeps ours up across the engine's restart).
             self._restart(s)
-            if seq > 0:
-                self._gap(s, 0, seq)
-        self._apply(s, seq, frames[2])
+        if seq > (s.expected or 0):
+            # Engines number their messages from 0: a worker joining a running engine
+            # (or one that missed messages) gets the rest from the replay buffer.
+            self._gap(s, seq)
+        self._apply(s, seq, payload, digest)
 
-    def _apply(self, s: _Stream, seq: int, payload: bytes) -> None:
+    def _apply(self, s: _Stream, seq: int, payload: bytes, digest: int | None = None) -> None:
         s.expected = seq + 1
-        s.last_digest = xxhash.xxh3_64_intdigest(payload)
+        s.last_digest = xxhash.xxh3_64_intdigest(payload) if digest is None else digest
+        s.recent[seq % _RECENT] = (seq, s.last_digest)
         self.handle_payload(payload, s)
 
     def handle_payload(self, payload: bytes, stream: _Stream | None = None) -> None:
@@ -711,37 +782,54 @@ class ZmqEngineBridge:
 
     # ------------------------------------------------------------------ gaps
 
-    def _gap(self, s: _Stream, expected: int, seq: int) -> None:
-        missing = seq - expected
-        self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {expected}..{seq - 1} missed", missing)
+    def _gap(self, s: _Stream, seq: int) -> None:
+        """Live message ``seq`` came after a hole: from the next expected one (from 0
+        when nothing was seen). With a replay endpoint the buffer fills it, from the
+        last message applied, whose bytes tell the same engine from a restarted one
+        that published more than we had seen."""
+        start = s.expected or 0
         got = 0
         if s.ep.replay_endpoint:
-            for rseq, payload in self._fetch(s, expected) or ():
+            msgs = self._fetch(s, start - 1 if start else 0)
+            if msgs and start and msgs[0][0] == start - 1:
+                if xxhash.xxh3_64_intdigest(msgs[0][1]) != s.last_digest:
+                    self._restart(s)
+                    start = 0
+                    msgs = self._fetch(s, 0)
+                else:
+                    msgs = msgs[1:]
+            self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {start}..{seq - 1} missed", seq - start)
+            for rseq, payload in msgs or ():
                 if rseq >= seq:
                     break
                 # Only the missing range, in order: a hole in the buffer stays a hole.
-                if s.expected is None or rseq >= s.expected:
+                if rseq >= (s.expected or 0):
                     self._apply(s, rseq, payload)
                     got += 1
             self.stats.replayed += got
-        if got < missing:
-            self._lost(s, missing - got)
+        else:
+            self._issue(Issue.GAP, f"{s.ep.endpoint}: engine messages {start}..{seq - 1} missed", seq - start)
+        if got < seq - start:
+            self._lost(s, seq - start - got)
 
     def _lost(self, s: _Stream, count: int) -> None:
         self._issue(Issue.UNRECOVERED, f"{s.ep.endpoint}: {count} engine messages lost (not in the replay buffer)", count)
         self.resync_reason = f"{count} engine messages of {s.ep.endpoint} lost"
 
     def _resume(self, s: _Stream) -> None:
-        """After a (re)connection to an engine we already heard from: the same engine
-        (its buffer holds our last message, byte for byte) gives what we missed; a new
-        one is a restart."""
-        if s.expected is None or not s.ep.replay_endpoint:
+        """On every (re)connection: an engine we never heard from gives its buffer from
+        the start (it may hold blocks and publish nothing for a long time); one we
+        heard from is the same engine if its buffer holds our last message byte for
+        byte (the rest is what we missed), else a new one (a restart)."""
+        if not s.ep.replay_endpoint:
+            return
+        if s.expected is None:
+            self._join(s)
             return
         last = s.expected - 1
         msgs = self._fetch(s, last)
-        s.unverified = msgs is None
         if msgs is None:
-            return  # no answer: the live numbers will tell
+            return  # no answer: the live numbers and bytes will tell
         if msgs and msgs[0][0] == last and xxhash.xxh3_64_intdigest(msgs[0][1]) == s.last_digest:
             got = 0
             for rseq, payload in msgs[1:]:
@@ -761,9 +849,19 @@ class ZmqEngineBridge:
             self.stats.replayed += len(msgs)
             return
         self._restart(s)
-        msgs = self._fetch(s, 0) or []
+        self._join(s)
+
+    def _join(self, s: _Stream) -> None:
+        """No position known (a new worker, or one that lost its state): the engine's
+        history is its buffer from message 0; what fell out of it is counted lost."""
+        msgs = self._fetch(s, 0)
+        if not msgs:
+            return  # nothing published yet, or no answer: the live numbers will tell
+        first = msgs[0][0]
+        if first > (s.expected or 0):
+            self._lost(s, first - (s.expected or 0))
         for rseq, payload in msgs:
-            if rseq == s.expected:
+            if rseq >= (s.expected or 0):
                 self._apply(s, rseq, payload)
         self.stats.replayed += len(msgs)
 
@@ -805,3 +903,4 @@ class ZmqEngineBridge:
             for ev in self.converter.cleared(rank, frozenset(Tier)):
                 self._sink.on_source_event(ev)
         s.expected = 0
+        s.recent = [None] * _RECENT

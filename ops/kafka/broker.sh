@@ -3,6 +3,8 @@
 # org.apache.kafka:kafka_2.13 resolved from Maven Central (DESIGN.md §10).
 #
 #   broker.sh fetch                                   resolve the jars into the cache
+#   broker.sh fetch-tools                             the same, and Kafka's tools' jars
+#                                                     (kafka-tools: ACLs, consumer groups...)
 #   broker.sh start [--brokers 1|3] [--dir DIR] [--owner-pid PID]
 #                                                     format + launch; prints the bootstrap
 #   broker.sh stop [--dir DIR]                        stop every node (TERM, then KILL)
@@ -139,8 +141,8 @@ make_archive() {
 TOOLS="$CACHE_ROOT/kafka/$KAFKA_VERSION/tools"
 
 fetch_tools() {
-    [[ -f "$TOOLS/.complete" ]] && return 0
     fetch
+    [[ -f "$TOOLS/.complete" ]] && return 0
     local base="$CACHE_ROOT/kafka/$KAFKA_VERSION"
     exec 8>"$base/.tools.lock"
     flock 8
@@ -535,6 +537,7 @@ main() {
     shift
     case "$cmd" in
         fetch) fetch; echo "$LIBS" ;;
+        fetch-tools) fetch_tools; echo "$TOOLS" ;;
         start) cmd_start "$@" ;;
         stop) cmd_stop "$@" ;;
         status) cmd_status "$@" ;;

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -16,7 +15,8 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvstream.kafka.config import consumer_config
 from kvstream.replica.authority import authority_from_settings
-from kvstream.replica.fold import TICK_HEADER, LogFold
+from kvstream.replica.fold import LogFold
+from kvstream.replica.record import Record, read_record
 from kvstream.router import Router
 from kvstream.settings import FoldSettings, Settings
 
@@ -27,17 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KVSTREAM = ROOT / ".venv" / "bin" / "kvstream"
 
 
-@dataclass(frozen=True, slots=True)
-class LogRecord:
-    partition: int
-    offset: int
-    timestamp_ms: int
-    value: bytes | None
-    is_tick: bool
-    key: bytes | None = None
-
-
-def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
+def read_log(settings: Settings, timeout: float = 60.0) -> list[Record]:
     """Every record of the events topic up to its current end, in offset order per
     partition (what a replica that never failed would have read)."""
     topic = settings.topics.name("events")
@@ -47,7 +37,7 @@ def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
         bounds = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
         todo = {p for p, (low, high) in bounds.items() if high > low}
         c.assign([TopicPartition(topic, p, bounds[p][0]) for p in todo])
-        out: list[LogRecord] = []
+        out: list[Record] = []
         deadline = time.monotonic() + timeout
         while todo:
             assert time.monotonic() < deadline, f"log not read back in {timeout}s: {todo} left"
@@ -59,8 +49,7 @@ def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
                 p = m.partition()
                 if p not in todo:
                     continue
-                tick = any(k == TICK_HEADER for k, _ in (m.headers() or ()))
-                out.append(LogRecord(p, m.offset(), m.timestamp()[1], m.value(), tick, m.key()))
+                out.append(read_record(m))
                 if m.offset() + 1 >= bounds[p][1]:
                     todo.discard(p)
         out.sort(key=lambda r: (r.partition, r.offset))
@@ -69,12 +58,12 @@ def read_log(settings: Settings, timeout: float = 60.0) -> list[LogRecord]:
         c.close()
 
 
-def reference_fold(records: list[LogRecord], fold_settings: FoldSettings | None = None) -> LogFold:
+def reference_fold(records: list[Record], fold_settings: FoldSettings | None = None) -> LogFold:
     """A fresh fold fed ``records`` in offset order, with the authority a replica with
     ``fold_settings`` (default: the default settings) applies: the truth it must equal."""
     fold = LogFold(Router(), CODEC.decode, authority_from_settings(fold_settings or FoldSettings()))
     for r in records:
-        fold.apply_record(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
+        fold.apply(r)
     return fold
 
 

@@ -7,6 +7,7 @@ only (an operator, ``kvstream replay``) reads, but cannot write a single record.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import shutil
 import signal
@@ -23,8 +24,7 @@ from tests.faults.helpers import ROOT, free_port
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.slow]
 
-KAFKA = Path(os.environ.get("KVSTREAM_CACHE", Path.home() / ".cache" / "kvstream")) / "kafka" / "4.1.1"
-CP = f"{KAFKA / 'libs'}/*:{KAFKA / 'tools'}/*"
+BROKER_SH = ROOT / "ops" / "kafka" / "broker.sh"
 USERS = {"admin": "admin-secret", "worker-7": "worker-secret", "operator": "operator-secret"}
 TOPIC = "kvstream.events"
 
@@ -56,7 +56,7 @@ def _start_node(dir: Path) -> tuple[subprocess.Popen, int]:
         "transaction.state.log.min.isr=1", "group.initial.rebalance.delay.ms=0",
         "num.network.threads=2", "num.io.threads=2", "log.cleaner.dedupe.buffer.size=8388608",
     ]) + "\n")
-    java = ["java", "-Xmx384m", "-XX:+UseSerialGC", "-cp", CP]
+    java = ["java", "-Xmx384m", "-XX:+UseSerialGC", "-cp", kafka_classpath()]
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     subprocess.run(java + ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)],
                    check=True, capture_output=True, timeout=120)
@@ -84,7 +84,7 @@ def _acls(port: int, dir: Path, *args: str) -> None:
     cfg.write_text("security.protocol=SASL_PLAINTEXT\nsasl.mechanism=PLAIN\n"
                    'sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required '
                    'username="admin" password="admin-secret";\n')
-    subprocess.run(["java", "-Xmx256m", "-cp", CP, "org.apache.kafka.tools.AclCommand",
+    subprocess.run(["java", "-Xmx256m", "-cp", kafka_classpath(), "org.apache.kafka.tools.AclCommand",
                     "--bootstrap-server", f"127.0.0.1:{port}", "--command-config", str(cfg), "--add", *args],
                    check=True, capture_output=True, timeout=120)
 
@@ -99,9 +99,20 @@ def _produce(port: int, user: str, idempotent: bool) -> KafkaError | None:
     return errors[0] if errors else KafkaError(KafkaError._TIMED_OUT)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not (KAFKA / "tools").is_dir() or shutil.which("java") is None,
-                    reason="Kafka's jars (ops/kafka/broker.sh fetches them) or java missing")
+@functools.cache
+def kafka_classpath() -> str:
+    """The broker's and Kafka's tools' jars, fetched by the test set-up (ops/env.sh runs
+    ``broker.sh fetch-tools``) or now: this test never depends on what ran before it."""
+    assert shutil.which("java"), "java not found: the ACL test runs Kafka's own broker and kafka-acls"
+    dirs = []
+    for cmd in ("fetch", "fetch-tools"):
+        run = subprocess.run(["bash", str(BROKER_SH), cmd], capture_output=True, text=True, timeout=1800)
+        assert run.returncode == 0, f"broker.sh {cmd} failed: {run.stderr[-2000:]}"
+        dirs.append(run.stdout.strip().splitlines()[-1])
+    return ":".join(f"{d}/*" for d in dirs)
+
+
+@pytest.mark.timeout(1800)
 def test_only_principals_with_write_on_events_can_publish(tmp_path: Path) -> None:
     proc, port = _start_node(tmp_path)
     try:

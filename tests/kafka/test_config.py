@@ -80,11 +80,14 @@ def test_bootstrap_falls_back_to_the_local_broker(
 def test_replication_follows_the_cluster_size(brokers: int, rf: int, min_isr: str) -> None:
     specs = topic_specs(Settings(bootstrap="h:1"), brokers)
     assert [s.name for s in specs] == [
-        "kvstream.events", "kvstream.active", "kvstream.control", "kvstream.dlq"
+        "kvstream.events", "kvstream.active", "kvstream.control", "kvstream.dlq", "kvstream.workers"
     ]
     for spec in specs:
         assert spec.replication_factor == rf
         assert spec.config["min.insync.replicas"] == min_isr
+        if spec.name == "kvstream.workers":
+            assert spec.config["cleanup.policy"] == "compact"
+            continue
         assert spec.config["cleanup.policy"] == "delete"
         # Segments roll well within the retention, so that retention can drop them.
         assert int(spec.config["segment.ms"]) < int(spec.config["retention.ms"])

@@ -33,7 +33,7 @@ def test_create_is_idempotent_with_the_right_configs(
     assert not any(st.exists for st in describe_topics(settings))
 
     first = ensure_topics(settings)
-    assert [st.created for st in first] == [True] * 4
+    assert [st.created for st in first] == [True] * 5
 
     partitions, config = _actual(settings, settings.topics.name("events"))
     assert partitions == 6
@@ -42,11 +42,16 @@ def test_create_is_idempotent_with_the_right_configs(
     partitions, config = _actual(settings, settings.topics.name("dlq"))
     assert partitions == 1
     assert config["retention.ms"] == str(settings.topics.dlq_retention_ms)
+    # The worker registry keeps each worker's last registration: compacted, not deleted.
+    partitions, config = _actual(settings, settings.topics.name("workers"))
+    assert partitions == 1
+    assert config["cleanup.policy"] == "compact"
+    assert config["delete.retention.ms"] == str(settings.topics.workers_tombstone_retention_ms)
 
     second = ensure_topics(settings)
-    assert [st.created for st in second] == [False] * 4
+    assert [st.created for st in second] == [False] * 5
     assert all(st.exists and not st.drift for st in second)
-    assert [st.partitions for st in second] == [6, 1, 1, 1]
+    assert [st.partitions for st in second] == [6, 1, 1, 1, 1]
 
 
 def test_partition_mismatch_is_an_error_and_changes_nothing(

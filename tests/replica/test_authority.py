@@ -20,7 +20,7 @@ from kvstream.replica.authority import (
     authority_from_settings,
     worker_key,
 )
-from kvstream.replica.fold import ID_CONFLICT, STALE_EPOCH, WRONG_PARTITION, LogFold
+from kvstream.replica.fold import DISPLACED, ID_CONFLICT, STALE_EPOCH, WRONG_PARTITION, LogFold
 from kvstream.router import Router
 from kvstream.settings import FoldSettings
 
@@ -87,9 +87,9 @@ def test_block_limits_per_event_and_per_worker() -> None:
 
 def test_workers_per_partition_are_bounded_and_freed_by_expiry() -> None:
     fold = fold_with(max_workers_per_partition=3)
-    for wid in range(5):
+    for wid in range(5):  # workers that store blocks count against the limit
         w = FakeWorkerLog(wid, lease_ms=1000)
-        fold.apply_record(0, wid, T0, w.batch(w.cleared()), key=worker_key(wid))
+        fold.apply_record(0, wid, T0, w.batch(w.cleared(), w.stored(list(range(16)))), key=worker_key(wid))
     assert sorted(fold.workers) == [0, 1, 2] and fold.counters[TOO_MANY_WORKERS] == 2
     w = FakeWorkerLog(9, lease_ms=1000)
     fold.apply_record(1, 0, T0, w.batch(w.cleared()), key=worker_key(9))  # another partition
@@ -163,3 +163,30 @@ def test_fold_outcome_does_not_depend_on_partition_interleaving(seed: int, rnd: 
         p = rnd.choice([p for p, q in queues.items() if q])
         mixed.append(queues[p].pop(0))
     assert fold_in(by_partition) == fold_in(mixed) == fold_in(backwards)
+
+
+def test_workers_without_blocks_make_room_least_recently_seen_first() -> None:
+    """Issue 28: phantoms (``cleared`` only, never a block) cannot crowd out real workers:
+    a newcomer on a full partition displaces the block-less worker seen least recently."""
+    fold = fold_with(max_workers_per_partition=3)
+    real = FakeWorkerLog(1, lease_ms=10**6)
+    fold.apply_record(0, 0, T0, real.batch(real.cleared(), real.stored(list(range(32)))), key=worker_key(1))
+    for i, wid in enumerate((10, 11)):
+        w = FakeWorkerLog(wid, lease_ms=10**6)
+        fold.apply_record(0, 1 + i, T0 + i, w.batch(w.cleared()), key=worker_key(wid))
+    w10 = FakeWorkerLog(10, lease_ms=10**6)
+    fold.apply_record(0, 3, T0 + 5, w10.batch(), key=worker_key(10))  # 10 heartbeats: 11 is older
+    honest = FakeWorkerLog(2, lease_ms=10**6)
+    fold.apply_record(0, 4, T0 + 6, honest.batch(honest.cleared()), key=worker_key(2))
+    assert sorted(fold.workers) == [1, 2, 10] and fold.counters[DISPLACED] == 1
+    fold.apply_record(0, 5, T0 + 7, honest.batch(honest.stored(list(range(16)))), key=worker_key(2))
+    for j, wid in enumerate(range(100, 104)):  # a flood of phantoms takes turns in one slot
+        w = FakeWorkerLog(wid, lease_ms=10**6)
+        fold.apply_record(0, 6 + j, T0 + 8 + j, w.batch(w.cleared()), key=worker_key(wid))
+    assert sorted(fold.workers) == [1, 2, 103] and fold.counters[TOO_MANY_WORKERS] == 0
+    w = FakeWorkerLog(200, lease_ms=10**6)  # a newcomer with blocks displaces the last phantom
+    fold.apply_record(0, 10, T0 + 20, w.batch(w.cleared(), w.stored(list(range(16)))), key=worker_key(200))
+    assert sorted(fold.workers) == [1, 2, 200]
+    w = FakeWorkerLog(201, lease_ms=10**6)  # now every worker there holds blocks: refused
+    fold.apply_record(0, 11, T0 + 21, w.batch(w.cleared()), key=worker_key(201))
+    assert 201 not in fold.workers and fold.counters[TOO_MANY_WORKERS] == 1 and fold.counters[DISPLACED] == 6

@@ -39,7 +39,8 @@ def test_a_failing_critical_thread_is_reported_then_healed_by_progress() -> None
     assert healthy.wait(10)
     assert sup.problems() == [] and sup.fatal is None
     assert metrics.thread_failures.labels(thread="ingest")._value.get() == 2
-    assert runs[2] - runs[1] >= runs[1] - runs[0] >= 0.05  # the backoff grows
+    # The backoff doubles (the intervals also hold the failure's logging, which varies).
+    assert runs[1] - runs[0] >= 0.05 and runs[2] - runs[1] >= 0.1
     stop.set()
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvstream.events.model import Removed, Stored, Tier
 from kvstream.hashing import local_hashes
-from kvstream.router import Router, RouterConfig, SchedulerConfig, SchedulerOverrides
+from kvstream.router import Router, RouterConfig, SchedulerConfig, SchedulerOverrides, WorkerKey
 from kvstream.router.core import CoreActiveSequences
 from kvstream.router.errors import NoEligibleWorkerError, RouterError
 from kvstream.router.router import RouteDecision
@@ -111,6 +111,7 @@ def test_core_decides_as_the_reference(seed: int) -> None:
     for ev in fleet_events(rng, convs):
         assert ref.apply_event(ev) == core.apply_event(ev)  # type: ignore[arg-type]
     active: list[str] = []
+    given: set[WorkerKey] = set()
     for step in range(40):
         roll = rng.randrange(10)
         if roll < 6:
@@ -119,11 +120,16 @@ def test_core_decides_as_the_reference(seed: int) -> None:
             rid = f"r{step}" if rng.random() < 0.8 else None
             query_only = rng.random() < 0.15
             ov = overrides(rng)
+            # The gateway's candidates: some known workers' ranks, and workers with no event yet.
+            cands = None if rng.random() < 0.7 else [
+                WorkerKey(w, r) for w, r in rng.sample([(w, r) for w in range(9) for r in (0, 1)], rng.randrange(4))
+            ]
+            given.update(cands or ())
             try:
-                want = ref.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov)
+                want = ref.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
             except RouterError as exc:
                 with pytest.raises(type(exc)) as got_exc:
-                    core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov)
+                    core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
                 assert str(got_exc.value) == str(exc)
                 if isinstance(exc, NoEligibleWorkerError):
                     # The core draws its uniform before knowing none is eligible; the
@@ -131,7 +137,7 @@ def test_core_decides_as_the_reference(seed: int) -> None:
                     ref.scheduler.rng.seed(step)
                     core.scheduler.rng.seed(step)
                 continue
-            got = core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov)
+            got = core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
             same_decision(want, got)
             if want.op is not None:
                 active.append(want.op.request_id)
@@ -149,7 +155,7 @@ def test_core_decides_as_the_reference(seed: int) -> None:
             if ref.index.knows(w):
                 assert ref.remove_worker(w) == core.remove_worker(w)
         assert len(ref.active) == len(core.active)
-        for key in ref.workers():
+        for key in {*ref.workers(), *given}:
             assert ref.active.load(key) == core.active.load(key)
         # The ttft policy's learned rates are folded from the same ops.
         rates = ref.active.rates

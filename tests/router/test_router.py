@@ -155,3 +155,31 @@ def test_workers_removal_and_errors() -> None:
     # A short prompt (no full block) still routes: prefill isl/B only.
     d = r.find_best_match([1, 2, 3])
     assert (d.blocks, d.chosen.logit) == (0, 3 / 16)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("policy", ["kv", "ttft"])
+def test_candidates_limit_the_choice_and_admit_unindexed_workers(compiled: bool, policy: str) -> None:
+    """The gateway's candidates: only the given workers compete (every rank the index
+    knows of them), and a given worker that has published nothing competes with no
+    overlap and takes load like any other, on both the compiled and the Python path."""
+    r = Router(RouterConfig(scheduler=SchedulerConfig(policy=policy), compiled=compiled), clock=Clock(), rng=random.Random(0))
+    r.apply_event(store(1, Tier.DEVICE, 8))
+    r.apply_event(store(2, Tier.DEVICE, 4))
+    r.apply_event(store(2, Tier.DEVICE, 6, rank=1, ids=60))
+    assert r.find_best_match(PROMPT).worker == WorkerKey(1, 0)
+    d = r.find_best_match(PROMPT, candidates=[WorkerKey(2, 0), WorkerKey(7, 0)])
+    assert [c.worker for c in d.candidates] == [WorkerKey(2, 0), WorkerKey(2, 1), WorkerKey(7, 0)]
+    assert d.worker == WorkerKey(2, 1)
+    assert d.overlaps[WorkerKey(7, 0)] == TierOverlap()
+    # Only the unindexed worker: chosen, and its load counts for the next decision.
+    d = r.find_best_match(PROMPT, request_id="r1", candidates=[WorkerKey(7, 0)])
+    assert d.worker == WorkerKey(7, 0) and d.op is not None and d.op.overlap_tokens == 0
+    assert r.active.load(WorkerKey(7, 0)) is not None
+    d = r.find_best_match(PROMPT, query_only=True, candidates=[WorkerKey(7, 0), WorkerKey(8, 0)])
+    assert d.worker == WorkerKey(8, 0)
+    r.free("r1")
+    # The index's own workers are untouched by what was given.
+    assert r.workers() == [WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(2, 1)]
+    with pytest.raises(NoEligibleWorkerError, match="no candidate"):
+        r.find_best_match(PROMPT, candidates=[])

@@ -167,6 +167,41 @@ def test_explain_equals_live_decisions(kafka_topics: Settings, tmp_path: Path) -
     assert "Traceback" not in res.output
 
 
+def test_explain_agrees_with_live_after_a_worker_expired_and_came_back(kafka_topics: Settings) -> None:
+    """Issue 25: k1 on worker 20, never freed; 20's lease expires (the live router drops
+    its requests) and 20 comes back; k2 is explained with the load it had live."""
+    a = list(range(3000, 3000 + 16 * 4))
+    w20, w21 = FakeWorkerLog(20, lease_ms=1500), FakeWorkerLog(21, lease_ms=LEASE)
+    produce(kafka_topics, [(20, w20.batch(w20.cleared(), w20.stored(a))), (21, w21.batch(w21.cleared(), w21.stored(a[:32])))])
+    replica = start(kafka_topics, tick_interval_s=0.2)
+
+    def known(wid: int) -> bool:
+        with replica.lock:
+            return wid in replica.fold.workers
+
+    def wait(cond) -> None:
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    try:
+        settle(replica, kafka_topics)
+        assert replica.route(a, request_id="k1").worker.worker_id == 20
+        wait(lambda: not known(20))  # the ticks moved the log time past its lease
+        back = FakeWorkerLog(20, epoch=2, lease_ms=LEASE)
+        produce(kafka_topics, [(20, back.batch(back.cleared(), back.stored(a)))])
+        wait(lambda: known(20))
+        time.sleep(0.01)
+        k2 = decision_dict(replica.route(a, request_id="k2"), explain=True)
+    finally:
+        replica.stop()
+    assert [c["active_requests"] for c in by_worker(k2)["candidates"]] == [0, 0]
+    res = run(kafka_topics, "explain", "--request-id", "k2")
+    assert res.exit_code == 0, res.output
+    assert by_worker(out_json(res)) == by_worker(k2)
+
+
 # -- diff --------------------------------------------------------------------------------
 
 

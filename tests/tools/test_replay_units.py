@@ -14,7 +14,8 @@ from kvstream.tools.replay.diff import Difference, IndexState, diff_states, stat
 from kvstream.tools.replay.dump import EventFilter, json_row, record_rows
 from kvstream.tools.replay.errors import ReplayError, SourceError
 from kvstream.tools.replay.explain import load_request
-from kvstream.tools.replay.reader import Record, format_time, parse_offsets, parse_time
+from kvstream.replica.record import Record
+from kvstream.tools.replay.reader import format_time, parse_offsets, parse_time
 
 from tests.replica.helpers import CODEC, FakeWorkerLog, new_fold
 

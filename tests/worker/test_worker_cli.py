@@ -44,6 +44,20 @@ def test_zmq_engine_needs_an_endpoint():
     assert "--endpoint" in result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine-url", "http://127.0.0.1:8000"], "needs at least one --model"),
+        (["--engine-url", "tcp://127.0.0.1:8000", "--model", "m"], "is not http(s)://host[:port]"),
+        (["--engine-url", "http://h:1", "--model", " m"], "unpadded"),
+    ],
+)
+def test_engine_url_and_models_are_checked(flags: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["worker", "--engine", "zmq", "--endpoint", "tcp://x:1", "--worker-id", "1", *flags])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
 def test_worker_id_must_be_u64():
     result = CliRunner().invoke(cli, ["worker", "--engine", "zmq", "--endpoint", "tcp://x:1", "--worker-id", "-1"])
     assert result.exit_code == 2
@@ -172,6 +186,16 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     assert sizes[key]["host_pinned"] > 0
     # ...and on to G3 (the disk filter admits a block on its first sighting by default).
     assert sizes[key]["disk"] > 0
+    # It registered (with no engine URL: not routable) and withdrew when it finished.
+    from kvstream.gateway.registry import RegistrationCodec
+    from kvstream.tools.replay.reader import LogReader
+
+    with LogReader(kafka_topics, "workers") as reader:
+        records = list(reader.read(dict(reader.low), dict(reader.high)))
+    assert [r.key for r in records] == [(9).to_bytes(8, "big")] * 2
+    reg = RegistrationCodec().decode(records[0].value)
+    assert (reg.url, reg.models, reg.engine, reg.kv_capacity_blocks, reg.endpoint()) == (None, (), "synthetic", 64, None)
+    assert records[1].value is None
 
 
 def test_replay_endpoints_pair_with_endpoints():

@@ -80,7 +80,11 @@ def start(ctx):
         Consolidator(rec, Mode.PASSTHROUGH),
         context=ctx,
     )
+    # A bridge with no position asks the buffer from 0 on connect: this engine has
+    # published nothing yet (the end marker only).
+    joined = engine.serve_one_replay([[b"", (-1).to_bytes(8, "big", signed=True), b""]])
     bridge.connect()
+    joined.join(5)
     engine.wait_subscribed()
     return engine, bridge, rec
 

@@ -220,6 +220,21 @@ impl Tier {
     }
 }
 
+/// `count` little-endian u64 at byte `at` of `data`.
+fn packed_words(data: &[u8], at: usize, count: usize) -> PyResult<Vec<u64>> {
+    let end = count.checked_mul(8).and_then(|len| len.checked_add(at));
+    match end {
+        Some(end) if end <= data.len() => Ok(data[at..end]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+            .collect()),
+        _ => Err(PyValueError::new_err(format!(
+            "{count} packed hashes at byte {at} overrun {} bytes",
+            data.len()
+        ))),
+    }
+}
+
 /// hashbrown's footprint of a table: one control byte per bucket plus the entry;
 /// buckets ≈ capacity·8/7.
 fn map_bytes(cap: usize, entry: usize) -> usize {
@@ -316,6 +331,41 @@ impl IndexCore {
         check_tier(tier)?;
         let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(block_hashes.len()) };
         Ok(self.tiers[tier].remove(owners, tier, slot, &block_hashes))
+    }
+
+    /// `store` with the hashes still packed in a message (kvstream/events/codec.py's
+    /// reader gives the offsets): `count` little-endian u64 block hashes at byte
+    /// `blocks_at` of `data`, and as many tokens hashes at `tokens_at`.
+    #[pyo3(signature = (tier, slot, parent, data, blocks_at, tokens_at, count))]
+    #[allow(clippy::too_many_arguments)]
+    fn store_packed(
+        &mut self,
+        tier: usize,
+        slot: usize,
+        parent: Option<u64>,
+        data: &[u8],
+        blocks_at: usize,
+        tokens_at: usize,
+        count: usize,
+    ) -> PyResult<u8> {
+        check_tier(tier)?;
+        let (hashes, tokens) = (packed_words(data, blocks_at, count)?, packed_words(data, tokens_at, count)?);
+        self.owners_of(slot);
+        let owners = &mut self.owners[slot / 64];
+        Ok(self.tiers[tier].store(owners, tier, slot, parent, &hashes, &tokens))
+    }
+
+    /// `remove` with the hashes still packed in a message (see `store_packed`).
+    fn remove_packed(&mut self, tier: usize, slot: usize, data: &[u8], at: usize, count: usize) -> PyResult<usize> {
+        check_tier(tier)?;
+        let hashes = packed_words(data, at, count)?;
+        let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(count) };
+        Ok(self.tiers[tier].remove(owners, tier, slot, &hashes))
+    }
+
+    /// Blocks the slot holds over every tier.
+    fn slot_size(&self, slot: usize) -> usize {
+        self.tiers.iter().map(|t| t.size(slot)).sum()
     }
 
     fn size(&self, tier: usize, slot: usize) -> PyResult<usize> {

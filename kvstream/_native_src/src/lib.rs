@@ -11,6 +11,7 @@ use pyo3::ffi;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 mod avro_check;
+mod event_decode;
 mod event_encode;
 mod index;
 mod route;
@@ -154,5 +155,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<route::ActiveCore>()?;
     m.add_class::<avro_check::AvroLayout>()?;
     m.add_function(wrap_pyfunction!(event_encode::encode_event_batch, m)?)?;
+    m.add_class::<event_decode::EventBatchReader>()?;
     Ok(())
 }

@@ -21,6 +21,8 @@ BENCHES: dict[str, str] = {
     "restart": "kvstream.tools.bench.restart:restart_bench",
     "http": "kvstream.tools.bench.http:http_bench",
     "gateway": "kvstream.tools.bench.gateway:gateway_bench",
+    "tokenize": "kvstream.tools.bench.tokenize:tokenize_bench",
+    "ingest": "kvstream.tools.bench.ingest:ingest_bench",
 }
 
 

@@ -360,3 +360,36 @@ def stats(
     for bt in doc["largest_batches"]:
         click.echo(f"  {bt['events']:>6} events {bt['blocks']:>7} blocks  worker {bt['worker_id']}  "
                    f"{bt['partition']}/{bt['offset']}  {bt['time']}")
+
+
+# -- workers ---------------------------------------------------------------------------
+
+
+@replay.command("workers")
+@_common
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_guard
+def workers(
+    config_file: str | None, bootstrap: str | None, topic_prefix: str | None, progress: bool | None, as_json: bool,
+) -> None:
+    """The worker registry as every replica folds it from kvstream.workers: each
+    worker's engine URL, models, LoRA adapters, block size, ranks; and the records
+    skipped, by reason."""
+    from kvstream.gateway.registry import WorkerRegistry
+    from kvstream.tools.replay.reader import LogReader
+
+    settings = _settings(config_file, bootstrap, topic_prefix)
+    registry = WorkerRegistry()
+    with LogReader(settings, "workers") as reader:
+        for rec in reader.read(dict(reader.low), dict(reader.high), progress=progress, desc="workers"):
+            registry.apply(rec.key, rec.value)
+    doc = registry.view()
+    if as_json:
+        _echo_json(doc)
+        return
+    click.echo(f"{len(doc['workers'])} workers; {doc['applied']} records applied, skipped: "
+               + (", ".join(f"{k}={v}" for k, v in doc["skipped"].items()) or "none"))
+    for wid, reg in doc["workers"].items():
+        loras = f" loras={','.join(reg['loras'])}" if reg["loras"] else ""
+        click.echo(f"  {wid:>20}  {reg['url'] or '(not routable: no engine URL)'}  models={','.join(reg['models'])}"
+                   f"{loras}  {reg['engine']}  block_size={reg['block_size']}  ranks={reg['dp_ranks']}")

@@ -15,7 +15,8 @@ from typing import Any
 from kvstream.events.codec import EventCodec
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Removed, Stored, Tier
-from kvstream.tools.replay.reader import Record, format_time
+from kvstream.replica.record import Record
+from kvstream.tools.replay.reader import format_time
 
 KINDS = ("stored", "removed", "cleared", "heartbeat", "tick", "undecodable")
 #: Fields holding 64-bit values (u64 ids and hashes; lease_ms up to 2^63): many JSON

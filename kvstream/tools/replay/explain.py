@@ -15,6 +15,7 @@ and length) and the worker the live router chose; the load is every op before it
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,15 +85,26 @@ def read_ops(settings: Settings, start_ms: int | None, end_ms: int | None, progr
     return ops, bad
 
 
-def apply_ops(router: Router, ops: list[LoggedOp]) -> int:
-    """Apply ops in order; returns how many the router refused (e.g. the free of a
-    request added before the window), which a live replica skips the same way."""
+def apply_ops(router: Router, ops: list[LoggedOp], removals: Sequence[tuple[int, int]] = ()) -> int:
+    """Apply ops in order, and among them each worker expiry of the fold (worker id,
+    log time ms): as live, where the fold's ``Router.remove_worker`` dropped the
+    worker's requests routed before it (not those routed to it once it came back).
+    Returns how many ops the router refused (e.g. the free of a request added before
+    the window, or of one whose worker was removed), which a live replica skips the
+    same way."""
     refused = 0
+    pending = sorted(removals, key=lambda r: r[1])
+    i = 0
     for o in ops:
+        while i < len(pending) and pending[i][1] <= o.timestamp_ms:
+            router.drop_requests(pending[i][0])
+            i += 1
         try:
             router.apply_active(o.op)
         except RouterError:
             refused += 1
+    for worker_id, _ in pending[i:]:
+        router.drop_requests(worker_id)
     return refused
 
 
@@ -150,7 +162,7 @@ def explain_at(
     router = rebuilt.fold.router
     ttl_ms = int(router.config.request_ttl_s * 1000)
     ops, bad = read_ops(settings, at_ms - ttl_ms, at_ms, progress)
-    refused = apply_ops(router, ops)
+    refused = apply_ops(router, ops, rebuilt.removals)
     decision = _score(
         lambda: router.find_best_match(
             req.token_ids, req.lora_name, req.request_id, query_only=True, overrides=overrides(req)
@@ -176,6 +188,21 @@ def find_request(ops: list[LoggedOp], request_id: str) -> LoggedOp:
     return adds[-1]
 
 
+def decide_logged(
+    router: Router, removals: Sequence[tuple[int, int]], ops: list[LoggedOp], logged: LoggedOp
+) -> tuple[RouteDecision, list[LoggedOp], int]:
+    """The decision for the logged request ``logged`` given the fold as of its time
+    (``router``, and the expiries it saw): the load is the ops of the TTL before it.
+    Returns the decision, the ops applied and how many of them were refused."""
+    add = logged.op
+    assert isinstance(add, AddRequest)
+    at_ms = logged.timestamp_ms
+    ttl_ms = int(router.config.request_ttl_s * 1000)
+    before = [o for o in ops if at_ms - ttl_ms <= o.timestamp_ms and o.order < logged.order]
+    refused = apply_ops(router, before, removals)
+    return _score(lambda: _decide_from_hashes(router, add, at_ms / 1000)), before, refused
+
+
 def explain_request(
     settings: Settings,
     request_id: str,
@@ -190,11 +217,7 @@ def explain_request(
     assert isinstance(add, AddRequest)
     at_ms = logged.timestamp_ms
     rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress)
-    router = rebuilt.fold.router
-    ttl_ms = int(router.config.request_ttl_s * 1000)
-    before = [o for o in ops if at_ms - ttl_ms <= o.timestamp_ms and o.order < logged.order]
-    refused = apply_ops(router, before)
-    decision = _score(lambda: _decide_from_hashes(router, add, at_ms / 1000))
+    decision, before, refused = decide_logged(rebuilt.fold.router, rebuilt.removals, ops, logged)
     notes = [f"request routed at {format_time(at_ms)} by {logged.replica_id}",
              f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes,
              f"load from {len(before)} active ops ({refused} refused, {bad} undecodable)"]

@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from tqdm import tqdm
 
 from kvstream.kafka.config import consumer_config
-from kvstream.replica.ticks import is_tick
+from kvstream.replica.record import Record, read_record
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, RetentionError, TopicMissingError
 
@@ -63,16 +63,6 @@ def format_time(ms: int) -> str:
     """ISO 8601 UTC with milliseconds (what ``parse_time`` reads back)."""
     dt = datetime.fromtimestamp(ms / 1000, timezone.utc)
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    partition: int
-    offset: int
-    timestamp_ms: int
-    key: bytes | None
-    value: bytes | None
-    is_tick: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +270,7 @@ class LogReader:
                     self._done(active, p)
                     continue
                 bar.update(1)
-                yield Record(p, off, m.timestamp()[1], m.key(), m.value(), is_tick(m.headers()))
+                yield read_record(m)
                 if not follow and off + 1 >= end[p]:  # type: ignore[index]
                     self._done(active, p)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import EventBatch, Tier
+from kvstream.kafka.topics import topic_id
 from kvstream.replica.cli import router_config
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import SnapshotError
@@ -25,24 +26,31 @@ from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router import Router
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import RetentionError, SourceError
-from kvstream.tools.replay.reader import LogReader, Record, format_time
+from kvstream.replica.record import Record
+from kvstream.tools.replay.reader import LogReader, format_time
 
 
-def new_fold(settings: Settings, at_s: float, decode: Callable[[bytes], EventBatch] | None = None) -> LogFold:
+def new_fold(
+    settings: Settings,
+    at_s: float,
+    decode: Callable[[bytes], EventBatch] | None = None,
+    removals: list[tuple[int, int]] | None = None,
+) -> LogFold:
     """An empty fold with the settings' router, whose clock stands still at ``at_s`` (so
-    that request expiry is evaluated as of the replayed time)."""
+    that request expiry is evaluated as of the replayed time); each worker expiry is
+    appended to ``removals`` as (worker id, log time ms)."""
     return LogFold(
         Router(router_config(settings), clock=lambda: at_s), decode or EventCodec().decode,
-        authority_from_settings(settings.fold),
+        authority_from_settings(settings.fold), None if removals is None else lambda w, ms: removals.append((w, ms)),
     )
 
 
 def fold_records(fold: LogFold, records: Iterable[Record]) -> int:
     """Apply records in order; returns how many."""
     n = 0
-    apply = fold.apply_record
+    apply = fold.apply
     for r in records:
-        apply(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
+        apply(r)
         n += 1
     return n
 
@@ -60,7 +68,12 @@ class Rebuilt:
     records: int
     partition_count: int
     topic: str
+    #: The topic's id (recorded in a written snapshot, so that a replica of another
+    #: topic, or of this one recreated, tells it apart).
+    topic_id: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: (worker id, log time ms) of the workers that expired in the folded records.
+    removals: list[tuple[int, int]] = field(default_factory=list)
 
 
 def open_store(path: Path) -> SnapshotStore:
@@ -73,7 +86,7 @@ def open_store(path: Path) -> SnapshotStore:
 
 
 def _usable_snapshot(
-    store: SnapshotStore, reader: LogReader, end: dict[int, int], notes: list[str]
+    store: SnapshotStore, reader: LogReader, tid: str | None, end: dict[int, int], notes: list[str]
 ) -> tuple[SnapshotMeta, dict[int, bytes]] | None:
     """The newest generation whose every partition stops within the prefix of T."""
     head = store.head()
@@ -91,6 +104,9 @@ def _usable_snapshot(
         readable += 1
         if meta.topic != reader.topic:
             notes.append(f"snapshot generation {gen} is of topic {meta.topic}, not {reader.topic}")
+            continue
+        if meta.topic_id and tid and meta.topic_id != tid:
+            notes.append(f"snapshot generation {gen} is of topic id {meta.topic_id}, not {tid} (recreated)")
             continue
         late = [
             p for p, pm in meta.partitions.items()
@@ -120,13 +136,15 @@ def rebuild_at(
     with LogReader(settings, "events") as reader:
         end = reader.offsets_after(at_ms)
         notes: list[str] = []
-        fold = new_fold(settings, at_ms / 1000, decode)
+        removals: list[tuple[int, int]] = []
+        tid = topic_id(settings, reader.topic, timeout=reader.timeout)
+        fold = new_fold(settings, at_ms / 1000, decode, removals)
         start = {p: 0 for p in reader.partitions}
         source = "start of the log"
         if snapshot_dir is not None:
             store = open_store(snapshot_dir)
             try:
-                picked = _usable_snapshot(store, reader, end, notes)
+                picked = _usable_snapshot(store, reader, tid, end, notes)
             finally:
                 store.close()
             if picked is not None:
@@ -153,7 +171,9 @@ def rebuild_at(
             part = fold.partitions.get(p)
             if (part.next_offset if part else 0) < e:
                 fold.restore_partition(p, e, part.log_time_ms if part else 0)
-        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, notes)
+        if source != "start of the log":
+            notes.append("worker expiries before the snapshot are not replayed among the active ops")
+        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, tid, notes, removals)
 
 
 def summary(fold: LogFold) -> list[dict[str, Any]]:
@@ -186,7 +206,7 @@ def write_snapshot(rebuilt: Rebuilt, path: Path) -> int:
     try:
         if store.head() is not None:
             raise SourceError(f"{path} already holds snapshots: write into a new directory")
-        snap = Snapshotter(store, rebuilt.fold, rebuilt.topic, None, rebuilt.partition_count, 0, 0)
+        snap = Snapshotter(store, rebuilt.fold, rebuilt.topic, rebuilt.topic_id, rebuilt.partition_count, 0, 0)
         try:
             return snap.snapshot_now()
         finally:

@@ -54,14 +54,14 @@ def collect_stats(
         last_ms: int | None = None
         for r in reader.read(begin, end, progress=progress, desc="stats"):
             if r.offset < start[r.partition]:
-                fold.apply_record(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
+                fold.apply(r)
                 continue
             records += 1
             first_ms = r.timestamp_ms if first_ms is None else min(first_ms, r.timestamp_ms)
             last_ms = r.timestamp_ms if last_ms is None else max(last_ms, r.timestamp_ms)
             last[0] = None
             before = (counters[0].copy(), counters[1].copy())
-            fold.apply_record(r.partition, r.offset, r.timestamp_ms, r.value, r.is_tick, r.key)
+            fold.apply(r)
             batch = last[0]
             delta = (counters[0] - before[0]) + (counters[1] - before[1])
             if delta:

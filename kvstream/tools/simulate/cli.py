@@ -41,7 +41,7 @@ from kvstream.tools.simulate.sweep import (
 )
 from kvstream.tools.simulate.runner import LogFactory, SimClock, SimOptions, SimResult
 from kvstream.tools.simulate.runner import simulate as run_simulation
-from kvstream.tools.simulate.trace import Request, TraceOptions, read_mooncake
+from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
 from kvstream.tools.simulate.workload import WorkloadOptions, generate
 from kvstream.worker.consolidator import Mode
 
@@ -66,6 +66,8 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
 @click.command("simulate")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Mooncake JSONL trace (default: a generated workload with shared prefixes).")
+@click.option("--tokens-per-id", type=click.IntRange(min=1), default=MOONCAKE_TOKENS_PER_ID, show_default=True,
+              help="Prompt tokens each hash id of --trace stands for (Mooncake: 512; Alibaba's Qwen traces: 16).")
 @click.option("--speed", type=float, default=1.0, show_default=True,
               help="Replay speed (arrival times ÷ speed); --sweep replaces it.")
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N requests.")
@@ -108,7 +110,7 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def simulate(
-    trace_path: Path | None, speed: float, limit: int | None, sessions: int, workers: int,
+    trace_path: Path | None, tokens_per_id: int, speed: float, limit: int | None, sessions: int, workers: int,
     policies: tuple[str, ...], mode: str, seed: int, block_size: int, device_tokens: int, host_tokens: int,
     disk_tokens: int, disk_min_seen: int, window: int, sweep_spec: str | None, jobs: int, bootstrap: str | None, config_file: str | None,
     topic_prefix: str | None, replicas: int, plot_path: Path | None, progress: bool | None, as_json: bool,
@@ -130,7 +132,7 @@ def simulate(
         make_log = _log_factory(bootstrap, config_file, topic_prefix, replicas)
         names = list(POLICIES) if "all" in policies else list(dict.fromkeys(policies))
         show = sys.stderr.isatty() if progress is None else progress
-        base = _requests(trace_path, limit, sessions, seed)
+        base = _requests(trace_path, limit, sessions, seed, tokens_per_id)
         references = {
             # One LRU cache of the fleet's whole capacity, and of its host (G2) capacity.
             "upper_bound": lru_reference(base, block_size, workers * (engine.device_blocks + engine.host_blocks
@@ -192,9 +194,11 @@ def _source(trace_path: Path | None, sessions: int, seed: int) -> str:
     return str(trace_path) if trace_path is not None else f"generated(sessions={sessions}, seed={seed})"
 
 
-def _requests(trace_path: Path | None, limit: int | None, sessions: int, seed: int) -> list[Request]:
+def _requests(
+    trace_path: Path | None, limit: int | None, sessions: int, seed: int, tokens_per_id: int
+) -> list[Request]:
     """The workload at speed 1 (``scaled`` replays it faster)."""
-    options = TraceOptions(limit=limit)  # validates limit
+    options = TraceOptions(limit=limit, tokens_per_id=tokens_per_id)  # validates them
     if trace_path is not None:
         return read_mooncake(trace_path, options)
     reqs = generate(WorkloadOptions(seed=seed, sessions=sessions))

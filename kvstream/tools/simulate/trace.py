@@ -1,7 +1,10 @@
 """Requests of a trace in the Mooncake JSONL format (/work/shared/traces/README.md).
 
 One JSON object a line: ``timestamp`` (ms), ``input_length``, ``output_length`` and
-``hash_ids``, one id per ``tokens_per_id`` (512) tokens of the prompt. Tokens follow the
+``hash_ids``, one id per ``tokens_per_id`` tokens of the prompt (512 in the Mooncake
+traces). Alibaba's Bailian (Qwen) traces use 16 tokens per id, stamp requests in
+seconds (a float) and add ``chat_id``, ``parent_chat_id`` and ``turn`` (checked,
+otherwise unused): a line with a ``chat_id`` is read as one of theirs. Tokens follow the
 common replay convention: block ``j`` is the token ``hash_ids[j]`` (a u32) repeated
 ``tokens_per_id`` times, cut to ``input_length``; the engine then splits them into its
 own blocks.
@@ -17,6 +20,8 @@ from pathlib import Path
 from kvstream.tools.simulate.errors import TraceError
 
 MOONCAKE_TOKENS_PER_ID = 512
+#: Fields of Alibaba's Bailian traces and their least value (-1: a session's first turn).
+_BAILIAN_FIELDS = {"chat_id": 0, "parent_chat_id": -1, "turn": 0}
 _U32 = 1 << 32
 
 
@@ -48,8 +53,13 @@ class TraceOptions:
     speed: float = 1.0
     #: Read at most this many requests (None: all).
     limit: int | None = None
+    #: Prompt tokens each hash id stands for: a line must have exactly the ids that
+    #: cover its input_length at this granularity.
+    tokens_per_id: int = MOONCAKE_TOKENS_PER_ID
 
     def __post_init__(self) -> None:
+        if self.tokens_per_id <= 0:
+            raise TraceError(f"tokens_per_id must be positive, got {self.tokens_per_id}")
         if not self.speed > 0:
             raise TraceError(f"speed must be > 0, got {self.speed}")
         if self.limit is not None and self.limit <= 0:
@@ -61,6 +71,15 @@ def _field_int(record: dict[str, object], name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TraceError(f"{where}: {name!r} must be an integer >= 0, got {value!r}")
     return value
+
+
+def _arrival_ms(record: dict[str, object], where: str) -> float:
+    if "chat_id" not in record:
+        return _field_int(record, "timestamp", where)
+    value = record.get("timestamp")  # Bailian: seconds
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise TraceError(f"{where}: 'timestamp' must be a number of seconds >= 0, got {value!r}")
+    return value * 1000.0
 
 
 def read_mooncake(path: str | Path, options: TraceOptions | None = None) -> list[Request]:
@@ -90,7 +109,7 @@ def _iter_mooncake(path: Path, options: TraceOptions) -> Iterator[Request]:
                 raise TraceError(f"{where}: not JSON ({exc.msg})") from None
             if not isinstance(record, dict):
                 raise TraceError(f"{where}: a line must be a JSON object")
-            ts = _field_int(record, "timestamp", where)
+            ts = _arrival_ms(record, where)
             if ts < last_ts:
                 raise TraceError(f"{where}: timestamp {ts} goes back in time (previous {last_ts})")
             last_ts = ts
@@ -101,10 +120,18 @@ def _iter_mooncake(path: Path, options: TraceOptions) -> Iterator[Request]:
                 isinstance(h, int) and not isinstance(h, bool) and 0 <= h < _U32 for h in ids
             ):
                 raise TraceError(f"{where}: 'hash_ids' must be a list of u32 integers")
-            if len(ids) * MOONCAKE_TOKENS_PER_ID < isl:
+            tpi = options.tokens_per_id
+            need = -(-isl // tpi)
+            if len(ids) != need:
+                # Too few would leave the prompt short; too many means the ids stand for
+                # fewer tokens than assumed, and the prompt would be misread silently.
                 raise TraceError(
-                    f"{where}: {len(ids)} hash ids cover {len(ids) * MOONCAKE_TOKENS_PER_ID} tokens, "
-                    f"less than input_length {isl}"
+                    f"{where}: {len(ids)} hash ids, but input_length {isl} at {tpi} tokens per id "
+                    f"needs {need} (ids of another granularity need --tokens-per-id)"
                 )
-            yield Request(f"r{n}", ts / options.speed, isl, max(osl, 1), tuple(ids))
+            for name, low in _BAILIAN_FIELDS.items():
+                value = record.get(name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                    raise TraceError(f"{where}: {name!r} must be an integer >= {low}, got {value!r}")
+            yield Request(f"r{n}", ts / options.speed, isl, max(osl, 1), tuple(ids), tpi)
             n += 1

@@ -1,0 +1,283 @@
+"""The gateway of a router replica: the OpenAI endpoints mounted on the replica's HTTP app
+(kvstream.replica.service), in the same process as its index.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not) are routed by
+the prompt's token ids to the candidate holding the longest prefix at the least load;
+``POST /v1/embeddings`` goes to the least-loaded worker of the model; ``GET /v1/models``
+lists what the directory's workers serve. The candidates are the directory's workers
+that serve the request's ``model`` (a model or a LoRA adapter name) and whose breaker
+lets requests through (kvstream.gateway.health). The endpoints take the ``client`` scope
+token as ``Authorization: Bearer`` (what the openai SDK sends as its api key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+
+import aiohttp
+import anyio
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvstream.gateway.errors import (
+    ApiError,
+    bad_request,
+    overloaded,
+    unauthorized,
+    unavailable,
+    unknown_model,
+)
+from kvstream.gateway.health import WorkerHealth, probe_loop
+from kvstream.gateway.metrics import GatewayMetrics
+from kvstream.gateway.options import GatewayOptions
+from kvstream.gateway.prompts import PromptIds
+from kvstream.gateway.relay import Exchange
+from kvstream.gateway.request_body import Endpoint, parse
+from kvstream.gateway.seams import PromptTokenizer, WorkerDirectory, WorkerEndpoint
+from kvstream.logs import get_logger
+from kvstream.replica import request_ids
+from kvstream.replica.auth import Scope, Tokens
+from kvstream.replica.replica import Replica
+
+log = get_logger(__name__)
+
+#: Routing decisions (and load ops) computed at once in threads, while the replica's
+#: lock is held by its fold.
+ROUTE_THREADS = 4
+
+
+class Gateway:
+    """The OpenAI endpoints of one replica."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        directory: WorkerDirectory,
+        options: GatewayOptions | None = None,
+        tokenizers: Mapping[str, PromptTokenizer] | None = None,
+    ) -> None:
+        """``tokenizers``: model name → its tokenizer, for text prompts."""
+        self.replica, self.directory = replica, directory
+        self.options = o = options or GatewayOptions()
+        self.tokens = Tokens.build()  # the app's, once mounted
+        self.metrics = GatewayMetrics(replica.metrics.registry)
+        self.health = WorkerHealth(o, self.metrics)
+        self.prompts = PromptIds(tokenizers or {}, o)
+        self.upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s, sock_read=o.read_timeout_s)
+        self.inflight = 0
+        #: Requests waiting for a slot (queue_timeout_s), first in line first.
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._per_worker: dict[int, int] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._created = int(time.time())
+
+    # -- running -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The upstream connection pool and the health probes, for the server's life."""
+        o = self.options
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=o.upstream_connections, keepalive_timeout=60),
+            # The relay passes bytes through: nothing decoded, no header of aiohttp's own.
+            auto_decompress=False, skip_auto_headers=("User-Agent",),
+        )
+        self._limiter = anyio.CapacityLimiter(ROUTE_THREADS)
+        probes = asyncio.get_running_loop().create_task(
+            probe_loop(self.directory, self.health, self._session, o)
+        ) if o.health_interval_s > 0 else None
+        try:
+            yield
+        finally:
+            if probes is not None:
+                probes.cancel()
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the gateway is not running (serve its app with its lifespan)")
+        return self._session
+
+    @property
+    def limiter(self) -> anyio.CapacityLimiter:
+        assert self._limiter is not None
+        return self._limiter
+
+    def mount(self, app: Starlette, tokens: Tokens) -> None:
+        """Add the endpoints to ``app``; they accept the client scope of ``tokens``."""
+        self.tokens = tokens
+        for endpoint in Endpoint:
+            app.router.add_route(endpoint.value, partial(self.serve, endpoint), methods=["POST"], include_in_schema=False)
+        app.router.add_route("/v1/models", self.models, methods=["GET"], include_in_schema=False)
+        app.router.add_route("/v1/models/{model:path}", self.models, methods=["GET"], include_in_schema=False)
+
+    # -- the candidates --------------------------------------------------------------------
+
+    def choosable(self, endpoints: Sequence[WorkerEndpoint], tried: Collection[int], model: str) -> list[WorkerEndpoint]:
+        """The workers of ``endpoints`` a request may go to now; ApiError 503 when none
+        is up, 429 when every one that is up is at its in-flight limit."""
+        up = [ep for ep in endpoints if ep.worker_id not in tried and self.health.available(ep.worker_id)]
+        if not up:
+            raise unavailable(f"no worker serving {model!r} is up" + (" (the others failed)" if tried else ""),
+                              self.options.retry_after_s)
+        cap = self.options.max_inflight_per_worker
+        if cap:
+            per = self._per_worker
+            up = [ep for ep in up if per.get(ep.worker_id, 0) < cap]
+            if not up:
+                raise overloaded(f"every worker serving {model!r} has {cap} requests in flight", self.options.retry_after_s)
+        return up
+
+    def engage(self, worker_id: int) -> None:
+        self._per_worker[worker_id] = self._per_worker.get(worker_id, 0) + 1
+        self.health.attempt(worker_id)
+        self.metrics.of(self.metrics.selected, str(worker_id)).inc()
+
+    def release(self, worker_id: int) -> None:
+        self._per_worker[worker_id] -= 1
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def serve(self, endpoint: Endpoint, request: Request) -> Response | Exchange:
+        started = time.perf_counter()
+        given = request.headers.get("x-request-id")
+        request_id = given if given is not None and request_ids.is_safe(given) else secrets.token_hex(12)
+        known = ""  # the model label: only names the directory knows
+        try:
+            if not self.tokens.allows(request.headers.get("authorization", ""), (Scope.CLIENT,)):
+                raise unauthorized("missing or wrong bearer token (the replica's client token is the api key)")
+            await self._admit()
+        except ApiError as exc:
+            return self._refuse(exc, endpoint, known, request_id)
+        try:
+            raw = await request.body()
+            req = parse(raw, endpoint)
+            endpoints = [ep for ep in self.directory.endpoints() if ep.serves(req.model)]
+            if not endpoints:
+                raise unknown_model(req.model)
+            known = req.model
+            if not self.replica.ready:
+                raise unavailable("the replica is not ready (catching up with the log)", self.options.retry_after_s)
+            up = self.choosable(endpoints, (), req.model)
+            if endpoint is Endpoint.EMBEDDINGS:
+                ids: list[int] = []
+            else:
+                least = min(up, key=lambda ep: self._per_worker.get(ep.worker_id, 0))
+                ids = await self.prompts.ids(req, len(raw), [least], self.session)
+                if len(ids) > self.options.max_prompt_tokens:
+                    raise bad_request(
+                        f"the prompt has {len(ids)} tokens, more than the {self.options.max_prompt_tokens} accepted",
+                        "messages" if endpoint is Endpoint.CHAT else "prompt", "context_length_exceeded",
+                    )
+        except ApiError as exc:
+            self._left()
+            return self._refuse(exc, endpoint, known, request_id)
+        except BaseException:
+            self._left()
+            raise
+        lora = req.model if any(req.model in ep.loras for ep in endpoints) else None
+        return Exchange(self, req, raw, request.scope["headers"], request_id, ids, lora, endpoints, started)
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``, and ``/v1/models/{model}`` (404 for a name no worker serves)."""
+        if not self.tokens.allows(request.headers.get("authorization", ""), (Scope.CLIENT,)):
+            exc = unauthorized("missing or wrong bearer token (the replica's client token is the api key)")
+            return Response(exc.body(), exc.status, media_type="application/json")
+        names: dict[str, str | None] = {}
+        for ep in self.directory.endpoints():
+            for m in ep.models:
+                names.setdefault(m, None)
+            for lora in ep.loras:
+                names.setdefault(lora, ep.models[0] if ep.models else None)
+        data = {
+            name: {"id": name, "object": "model", "created": self._created, "owned_by": "kvstream"}
+            | ({"parent": parent} if parent else {})
+            for name, parent in names.items()
+        }
+        one = request.path_params.get("model")
+        if one is None:
+            return Response(orjson.dumps({"object": "list", "data": list(data.values())}), media_type="application/json")
+        if one not in data:
+            exc = unknown_model(one)
+            return Response(exc.body(), exc.status, media_type="application/json")
+        return Response(orjson.dumps(data[one]), media_type="application/json")
+
+    # -- the end of a request --------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        """A slot among the ``max_inflight``: at once, or after waiting in line (FIFO) up
+        to ``queue_timeout_s`` while at most ``max_queued`` wait; else 429."""
+        o = self.options
+        if self.inflight < o.max_inflight:
+            self.inflight += 1
+            self.metrics.inflight.inc()
+            return
+        if not o.queue_timeout_s or len(self._waiting) >= o.max_queued:
+            raise overloaded(f"this replica relays {o.max_inflight} requests already", o.retry_after_s)
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        self.metrics.queued.inc()
+        try:
+            await asyncio.wait_for(turn, o.queue_timeout_s)  # a slot handed over by _left
+        except TimeoutError:
+            raise overloaded(
+                f"this replica relays {o.max_inflight} requests already; none ended within {o.queue_timeout_s}s",
+                o.retry_after_s,
+            ) from None
+        finally:
+            self.metrics.queued.dec()
+            if turn in self._waiting:  # it gave up in line (timed out, or cancelled)
+                self._waiting.remove(turn)
+
+    def _left(self) -> None:
+        while self._waiting:  # the slot passes to the first still waiting
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+
+    def _refuse(self, exc: ApiError, endpoint: Endpoint, model: str, request_id: str) -> Response:
+        self.metrics.of(self.metrics.requests, model, endpoint.value, str(exc.status)).inc()
+        return Response(exc.body(), exc.status, headers=exc.headers() | {"x-request-id": request_id},
+                        media_type="application/json")
+
+    def finished(self, ex: Exchange) -> None:
+        """A relayed request ended (answered, failed or abandoned): its metrics and its log line."""
+        self._left()
+        m, model, endpoint = self.metrics, ex.req.model, ex.req.endpoint.value
+        end = time.perf_counter()
+        m.of(m.requests, model, endpoint, str(ex.status)).inc()
+        m.of(m.e2e, model, endpoint).observe(end - ex.started)
+        ttft = None if ex.first_at is None else ex.first_at - ex.started
+        if ttft is not None:
+            m.of(m.ttft, model).observe(ttft)
+        usage = ex.usage
+        details = usage.get("prompt_tokens_details") if usage else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = cached if type(cached) is int and cached >= 0 else None
+        prompt_tokens = usage.get("prompt_tokens") if usage else None
+        prompt_tokens = prompt_tokens if type(prompt_tokens) is int and prompt_tokens >= 0 else len(ex.ids)
+        if ex.status == 200 and ex.track:
+            m.of(m.predicted_cached, model, "true" if cached is not None else "false").inc(ex.predicted)
+            m.of(m.prompt_tokens, model).inc(prompt_tokens)
+            if cached is not None:
+                m.of(m.engine_cached, model).inc(cached)
+        log.info(
+            "gateway request", request_id=ex.request_id, load_id=ex.life.request_id, model=model, endpoint=endpoint, worker=ex.tried_last,
+            attempts=ex.attempts, predicted_cached_tokens=ex.predicted, engine_cached_tokens=cached,
+            prompt_tokens=prompt_tokens, ttft_ms=None if ttft is None else round(ttft * 1000, 3),
+            e2e_ms=round((end - ex.started) * 1000, 3), status=ex.status, outcome=ex.outcome,
+        )

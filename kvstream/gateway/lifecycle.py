@@ -1,0 +1,95 @@
+"""A relayed request's life in the fleet's load (DESIGN.md §6): added when it is routed
+(under an id minted here, so that no client id can collide), prefill done at its first
+token, freed exactly once: at the end of the stream, on an upstream error, on a client
+disconnect. The replica shares each op on ``kvstream.active``, so every replica sees the
+load; the ``ttft`` policy learns its prefill rates from the first-token times.
+
+The replica's lock is taken on the event loop only when it is free: while the fold or a
+snapshot holds it, the op waits in a thread, and the loop keeps relaying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import anyio
+
+from kvstream.replica.replica import Replica
+from kvstream.router.active import AddRequest
+from kvstream.router.errors import RouterError
+from kvstream.router.index import WorkerKey
+from kvstream.router.router import RouteDecision
+
+T = TypeVar("T")
+
+#: Prompts longer than this (tokens) are routed in a thread: hashing them takes a while.
+INLINE_ROUTE_TOKENS = 32_768
+
+
+async def with_replica(replica: Replica, limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args, inline: bool = True) -> T:
+    """``fn(*args)`` under the replica's lock: on the loop when the lock is free (and
+    ``inline``), else in a thread of ``limiter``."""
+    if inline and replica.lock.acquire(blocking=False):
+        try:
+            return fn(*args)
+        finally:
+            replica.lock.release()
+    return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=limiter)
+
+
+class RequestLife:
+    """The load one request puts on the fleet, for one attempt at a time."""
+
+    __slots__ = ("added", "limiter", "prefilled", "replica", "request_id", "unshared")
+
+    def __init__(self, replica: Replica, limiter: anyio.CapacityLimiter) -> None:
+        self.replica, self.limiter = replica, limiter
+        self.request_id = f"gw-{secrets.token_hex(8)}"
+        self.added = False
+        self.prefilled = False
+        #: The add op, until it is on its way to the peers.
+        self.unshared: AddRequest | None = None
+
+    async def route(self, ids: list[int], lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
+        """Choose among ``candidates`` and, when ``track``, add the request's load. The
+        peers hear of it as soon as this task yields (once the request is on its way to
+        the worker, not before)."""
+        inline = len(ids) <= INLINE_ROUTE_TOKENS
+        decision = await with_replica(
+            self.replica, self.limiter, self._route, ids, lora, candidates, track, inline=inline
+        )
+        self.added, self.prefilled = track, False
+        if decision.op is not None:
+            self.unshared = decision.op
+            asyncio.get_running_loop().call_soon(self._share_add)
+        return decision
+
+    def _share_add(self) -> None:
+        # Also called before any later op of the request: the peers see them in order.
+        op, self.unshared = self.unshared, None
+        if op is not None:
+            self.replica.share(op)
+
+    def _route(self, ids: list[int], lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
+        return self.replica.route(ids, lora, self.request_id, not track, candidates=candidates, share=False)
+
+    async def prefill_done(self) -> None:
+        self._share_add()
+        if self.added and not self.prefilled:
+            self.prefilled = True
+            await self._op(self.replica.prefill_done)
+
+    async def free(self) -> None:
+        self._share_add()
+        if self.added:
+            self.added = False
+            await self._op(self.replica.free)
+
+    async def _op(self, op: Callable[[str], None]) -> None:
+        try:
+            await with_replica(self.replica, self.limiter, op, self.request_id)
+        except RouterError:
+            pass  # expired meanwhile (a request older than the TTL): nothing left to undo

@@ -1,0 +1,138 @@
+"""How the gateway runs: the ``[gateway]`` section of the settings (kvstream.settings
+validates it as these dataclasses, so that each option is defined here once), and the
+static workers of ``[[gateway.workers]]``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ConfigDict
+
+from kvstream.gateway.errors import OptionsError
+
+_U64_END = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class StaticWorker:
+    """One worker of ``[[gateway.workers]]``: the id its KV events carry, the engine's
+    base URL (``http://host:port``, without ``/v1``), and what it serves."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    id: int
+    url: str
+    models: tuple[str, ...]
+    loras: tuple[str, ...] = ()
+    #: The worker's own credential, sent as ``Authorization: Bearer`` (the client's never is).
+    api_key: str | None = field(default=None, repr=False)
+    #: Data-parallel ranks of the engine (candidates before any event names them).
+    dp_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.id < _U64_END:
+            raise OptionsError(f"worker id {self.id} is not in [0, 2**64)")
+        if not self.url.startswith(("http://", "https://")) or self.url.rstrip("/").endswith("/v1"):
+            raise OptionsError(f"worker {self.id}: url must be http(s)://host:port without /v1, got {self.url!r}")
+        if not self.models or not all(self.models) or not all(self.loras):
+            raise OptionsError(f"worker {self.id}: models must name at least one model, and no name may be empty")
+        if self.dp_ranks < 1:
+            raise OptionsError(f"worker {self.id}: dp_ranks must be >= 1, got {self.dp_ranks}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise OptionsError(f"worker {self.id}: api_key is empty")
+
+
+#: Bytes of token ids and text a model's prefix cache holds by default.
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTokenizerConfig:
+    """One ``[[gateway.models]]`` entry: a model's tokenizer (kvstream.gateway.tokenize)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    #: The model name requests give (``model``).
+    name: str
+    #: A directory holding ``tokenizer.json`` (and ``tokenizer_config.json``), or a
+    #: ``tokenizer.json`` file (then no chat template unless ``chat_template`` is set).
+    tokenizer: Path
+    #: A jinja chat template file, instead of the one in ``tokenizer_config.json``.
+    chat_template: Path | None = None
+    #: Bytes of token ids and text the prefix cache may hold; 0: no cache.
+    prefix_cache_bytes: int = DEFAULT_CACHE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise OptionsError("[[gateway.models]]: name must not be empty")
+        if self.prefix_cache_bytes < 0:
+            raise OptionsError(f"model {self.name}: prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayOptions:
+    """The gateway of a router replica (the OpenAI endpoints; kvstream.gateway)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    #: Serve the OpenAI endpoints on the replica's HTTP port.
+    enabled: bool = True
+    #: Workers from the TOML, for fleets without registering bridges (registered
+    #: workers, from kvstream.workers, are candidates too).
+    workers: tuple[StaticWorker, ...] = ()
+    #: ``[[gateway.models]]``: each model's local tokenizer, for text prompts.
+    models: tuple[ModelTokenizerConfig, ...] = ()
+    #: Where text prompts get their token ids: the model's local tokenizer, or the
+    #: ``/tokenize`` endpoint of one candidate engine (vLLM's).
+    tokenize: Literal["local", "engine"] = "local"
+    #: Further workers tried when one fails before its first byte (each a different one).
+    retries: int = 2
+    #: Seconds to connect to a worker; seconds without a byte from it (before the first
+    #: byte: the request is retried elsewhere; after: the stream ends with an error).
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 300.0
+    #: Requests relayed at once by this replica (more: 429), and per worker (0: no limit).
+    max_inflight: int = 4096
+    max_inflight_per_worker: int = 0
+    #: A request over ``max_inflight`` waits this long for a slot (0: 429 at once),
+    #: with at most ``max_queued`` waiting.
+    queue_timeout_s: float = 0.0
+    max_queued: int = 1024
+    #: The ``Retry-After`` of a 429 or 503 (s).
+    retry_after_s: int = 1
+    #: A worker's breaker opens after this many failures in a row, and lets one trial
+    #: request through after the cool-down (s).
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 10.0
+    #: The engines' ``/health`` is asked this often (s; 0: never), with this timeout.
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    #: Longest prompt accepted (tokens; the default is what ``POST /v1/route`` takes).
+    max_prompt_tokens: int = 1 << 20
+    #: Requests whose body is larger than this (bytes) are tokenized off the event loop.
+    inline_tokenize_bytes: int = 16_384
+    #: Connections kept open to the workers (0: no limit).
+    upstream_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not (math.isfinite(value) and value >= 0):
+                raise OptionsError(f"{f.name} must be a finite number >= 0, got {value!r}")
+            if type(value) is int and value < 0:
+                raise OptionsError(f"{f.name} must be >= 0, got {value!r}")
+        for name in ("max_inflight", "breaker_failures", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("connect_timeout_s", "read_timeout_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise OptionsError(f"{name} must be > 0, got {getattr(self, name)}")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise OptionsError(f"[[gateway.models]] names a model twice: {sorted(names)}")
+        ids = [w.id for w in self.workers]
+        if len(set(ids)) != len(ids):
+            raise OptionsError(f"[[gateway.workers]] names a worker id twice: {sorted(ids)}")

@@ -1,0 +1,173 @@
+"""The prefix cache of prompt tokenization (kvstream.gateway.tokenize).
+
+Conversations and agents resend the same system prompt and earlier turns; their ids
+are cached per *segment*, a piece of text that ends right after an added token (``<|im_end|>``, ``<｜User｜>``...). HF ``tokenizers`` splits the text on
+added tokens before anything else, so such a boundary is hard, provided that:
+
+1. the token is matched on the raw text (``normalized=False``), does not swallow what
+   follows (``rstrip=False``, ``single_word=False``) and does not end in whitespace (an
+   ``lstrip`` token after it must not reach into it);
+2. no added token could start inside the prefix and run past the boundary in some other
+   continuation: no proper prefix of any added token is a suffix of the text before the
+   boundary (checked on the actual text, for every boundary);
+3. the tokenizer's own encoding put that very token there (its id at exactly those
+   offsets; checked when a segment is cached).
+
+The text after a cached boundary is tokenized behind the same added token (then dropped),
+so that it is tokenized as a non-first piece, exactly as in the whole text. A segment is
+keyed by its exact text and the node of the segment before it (a chain: the key holds
+the whole prefix, compared as text, never by hash); each cache belongs to one tokenizer
+instance. ``tests/gateway/test_tokenize.py`` proves ids with the cache equal ids without
+on random conversations and texts (hypothesis). The cache is an LRU bounded in bytes.
+
+Thread-safe: the cache is guarded by a lock held only for lookups and inserts, never
+while tokenizing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import tokenizers
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    node: int
+    ids: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class CacheStats:
+    lookups: int = 0
+    #: Segments found, and their tokens (work saved).
+    hit_segments: int = 0
+    hit_tokens: int = 0
+    inserted: int = 0
+    evicted: int = 0
+    #: A suffix whose sentinel did not tokenize back to the same token (never expected):
+    #: the text was tokenized whole instead.
+    fallbacks: int = 0
+
+
+class Anchors:
+    """The added tokens after which a text can be cut (module docstring, rules 1 and 2)."""
+
+    def __init__(self, tok: tokenizers.Tokenizer) -> None:
+        raw = [t for t in tok.get_added_tokens_decoder().values() if not t.normalized]
+        self.ids: dict[str, int] = {}
+        for tid, t in tok.get_added_tokens_decoder().items():
+            if (not t.normalized and not t.rstrip and not t.single_word and t.content
+                    and not t.content[-1].isspace()):
+                self.ids[t.content] = tid
+        #: Every proper prefix of a raw-matched added token, by length.
+        self._prefixes: dict[int, set[str]] = {}
+        for t in raw:
+            for k in range(1, len(t.content)):
+                self._prefixes.setdefault(k, set()).add(t.content[:k])
+        # Where an anchor may start (a scan for a few characters is far faster than one
+        # regex of every anchor), then the longest anchor there, as the tokenizer matches.
+        self._lengths = sorted({len(c) for c in self.ids}, reverse=True)
+        firsts = sorted({c[0] for c in self.ids})
+        self._starts = re.compile("[" + "".join(map(re.escape, firsts)) + "]") if firsts else None
+
+    def boundaries(self, text: str) -> list[tuple[int, str]]:
+        """(end offset, token) of each anchor occurrence in ``text`` (leftmost, longest,
+        not overlapping) that no added token could run across."""
+        if self._starts is None:
+            return []
+        out = []
+        ids, lengths, prefixes = self.ids, self._lengths, self._prefixes
+        after = 0
+        for m in self._starts.finditer(text):
+            pos = m.start()
+            if pos < after:
+                continue
+            for n in lengths:
+                if text[pos:pos + n] in ids:
+                    end = after = pos + n
+                    if not any(text[end - k:end] in ps for k, ps in prefixes.items() if k <= end):
+                        out.append((end, text[pos:end]))
+                    break
+        return out
+
+
+class PrefixCache:
+    """Segment chains → ids, LRU-bounded in bytes (module docstring)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.stats = CacheStats()
+        self._entries: OrderedDict[tuple[int, str], _Segment] = OrderedDict()
+        self._lock = threading.Lock()
+        # Node ids are never reused: a segment under an evicted parent is unreachable,
+        # never attached to another prefix.
+        self._next = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def longest(self, text: str, cuts: list[tuple[int, str]]) -> tuple[int, int, list[int], list[tuple[int, str]]]:
+        """(cuts matched, node of the last, their ids, their keys) for the longest cached
+        prefix."""
+        ids: list[int] = []
+        keys: list[tuple[int, str]] = []
+        node, start = 0, 0
+        with self._lock:
+            self.stats.lookups += 1
+            for end, _ in cuts:
+                key = (node, text[start:end])
+                seg = self._entries.get(key)
+                if seg is None:
+                    break
+                keys.append(key)
+                ids.extend(seg.ids)
+                node, start = seg.node, end
+            self._touch(keys)
+            self.stats.hit_segments += len(keys)
+            self.stats.hit_tokens += len(ids)
+        return len(keys), node, ids, keys
+
+    def _touch(self, chain: list[tuple[int, str]]) -> None:
+        # A prefix's segments become the most recent, the first one last of all: the LRU
+        # then evicts the ends of chains before their beginnings, never orphaning the rest.
+        for key in reversed(chain):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def fallback(self) -> None:
+        with self._lock:
+            self.stats.fallbacks += 1
+
+    def insert(self, parent: int, pieces: list[tuple[str, tuple[int, ...]]], above: list[tuple[int, str]]) -> None:
+        """Add a chain of (segment text, ids) under ``parent``, the end of the chain
+        ``above`` (the keys of the segments before it)."""
+        chain: list[tuple[int, str]] = []
+        with self._lock:
+            for text, ids in pieces:
+                key = (parent, text)
+                seg = self._entries.get(key)
+                if seg is None:
+                    nbytes = sys.getsizeof(text) + 8 * len(ids) + 200  # + the tuple, key and node
+                    if nbytes > self.max_bytes:
+                        break
+                    seg = _Segment(next(self._next), ids, nbytes)
+                    self._entries[key] = seg
+                    self.bytes += nbytes
+                    self.stats.inserted += 1
+                chain.append(key)
+                parent = seg.node
+            self._touch(above + chain)
+            while self.bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.stats.evicted += 1

@@ -1,0 +1,98 @@
+"""The token ids a request is routed by: ids the client sent are used as given; text is
+tokenized by the model's local tokenizer (kvstream.gateway.seams.PromptTokenizer, off the
+event loop when long), or, with ``tokenize = "engine"``, by the ``/tokenize`` endpoint of
+one candidate engine (vLLM's; one worker asked, never all)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+
+from kvstream.gateway.errors import bad_request, upstream_failed
+from kvstream.gateway.options import GatewayOptions
+from kvstream.gateway.request_body import Endpoint, OpenAIRequest, is_token_ids
+from kvstream.gateway.seams import PromptTokenizer, WorkerEndpoint
+
+#: Fields of a chat body that change its rendering (vLLM's TokenizeChatRequest takes them).
+_CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                "chat_template", "chat_template_kwargs", "add_special_tokens")
+
+
+class PromptIds:
+    def __init__(self, tokenizers: Mapping[str, PromptTokenizer], options: GatewayOptions) -> None:
+        self.tokenizers, self.options = tokenizers, options
+
+    def given(self, req: OpenAIRequest) -> list[int] | None:
+        """The ids the client sent (the first prompt of a batch routes it), else None."""
+        if req.endpoint is not Endpoint.COMPLETIONS:
+            return None
+        prompt = req.body["prompt"]
+        if type(prompt) is list and prompt and type(prompt[0]) is list:
+            return prompt[0]
+        return prompt if is_token_ids(prompt) else None
+
+    async def ids(
+        self, req: OpenAIRequest, size: int, endpoints: Sequence[WorkerEndpoint], session: aiohttp.ClientSession
+    ) -> list[int]:
+        """The request's token ids (``size``: the body's bytes, how long tokenizing may take)."""
+        given = self.given(req)
+        if given is not None:
+            return given
+        if self.options.tokenize == "engine":
+            return await self._engine_ids(req, endpoints[0], session)
+        tokenizer = self._tokenizer(req.model, endpoints)
+        if tokenizer is None:
+            raise bad_request(
+                f"no tokenizer is configured for model {req.model!r}: send `prompt` as token ids, configure the "
+                "model's tokenizer, or set [gateway] tokenize = \"engine\"", "model", "no_tokenizer",
+            )
+        if req.endpoint is Endpoint.CHAT:
+            work, arg = tokenizer.chat_ids, req.body
+        else:
+            prompt = req.body["prompt"]
+            work, arg = tokenizer.completion_ids, prompt if isinstance(prompt, str) else prompt[0]
+        try:
+            if size <= self.options.inline_tokenize_bytes:
+                return work(arg)
+            return await anyio.to_thread.run_sync(work, arg)
+        except (ValueError, TypeError, KeyError) as exc:  # a template that cannot render these messages
+            raise bad_request(f"the prompt cannot be tokenized for {req.model!r}: {exc}", "messages" if req.endpoint is Endpoint.CHAT else "prompt") from None
+
+    def _tokenizer(self, model: str, endpoints: Sequence[WorkerEndpoint]) -> PromptTokenizer | None:
+        found = self.tokenizers.get(model)
+        if found is None:  # a LoRA adapter tokenizes as its base model
+            for ep in endpoints:
+                if model in ep.loras and ep.models:
+                    return self.tokenizers.get(ep.models[0])
+        return found
+
+    async def _engine_ids(self, req: OpenAIRequest, ep: WorkerEndpoint, session: aiohttp.ClientSession) -> list[int]:
+        body: dict[str, Any] = {"model": req.model}
+        if req.endpoint is Endpoint.CHAT:
+            body |= {k: req.body[k] for k in _CHAT_FIELDS if k in req.body}
+        else:
+            prompt = req.body["prompt"]
+            body["prompt"] = prompt if isinstance(prompt, str) else prompt[0]
+        headers = {"content-type": "application/json"}
+        if ep.api_key:
+            headers["authorization"] = f"Bearer {ep.api_key}"
+        o = self.options
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s, sock_read=o.read_timeout_s)
+        try:
+            async with session.post(f"{ep.url}/tokenize", data=orjson.dumps(body), headers=headers, timeout=timeout) as resp:
+                answer = await resp.read()
+                if resp.status != 200:
+                    raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize failed: {type(exc).__name__}: {exc}") from None
+        try:
+            tokens = orjson.loads(answer)["tokens"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            tokens = None
+        if not is_token_ids(tokens):
+            raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize gave no token ids: {answer[:300]!r}")
+        return tokens

@@ -1,0 +1,378 @@
+"""One request carried to a worker and its answer carried back (an ASGI response).
+
+The body goes upstream as the client sent it (bytes, never re-encoded); the client's
+headers go with it except the hop-by-hop ones and its credential (the worker's own key
+replaces it). A connect error, a timeout or a 5xx before the worker's first byte sends
+the request to the next-best *different* worker (``retries`` at most); after the first
+byte a failure ends the stream with an SSE error event. A stream is relayed chunk by
+chunk as it arrives; only the chunks up to the first content token are parsed (for
+``prefill_done``) and the last two kept (for the final ``usage``). A client that
+disconnects cancels the upstream request (its connection is closed) and frees the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from kvstream.gateway.errors import ApiError, overloaded, upstream_failed
+from kvstream.gateway.lifecycle import RequestLife
+from kvstream.gateway.request_body import Endpoint, OpenAIRequest
+from kvstream.gateway.seams import WorkerEndpoint
+from kvstream.logs import get_logger
+from kvstream.router.errors import NoEligibleWorkerError
+from kvstream.router.index import WorkerKey
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
+
+log = get_logger(__name__)
+
+#: Headers that describe one connection, not the request (RFC 9110 §7.6.1).
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+    b"te", b"trailer", b"transfer-encoding", b"upgrade",
+})
+#: Also not forwarded: the client's credential, what aiohttp sets itself, and what the
+#: gateway sets (the worker sends plain bytes: the relay reads the first token and usage).
+_NOT_FORWARDED = HOP_BY_HOP | {
+    b"host", b"content-length", b"authorization", b"accept-encoding", b"x-request-id",
+    b"expect",  # the body is already here: nothing to wait for
+    b"x-data-parallel-rank",  # the router's to choose, not the client's
+}
+#: Not relayed back: framing (the server frames the response itself) and what it sets.
+_NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
+_SSE = "text/event-stream"
+_DONE = b"[DONE]"
+
+
+def upstream_headers(
+    client: Sequence[tuple[bytes, bytes]], request_id: str, api_key: str | None, dp_rank: int | None
+) -> list[tuple[str, str]]:
+    """The headers sent to the worker for a client's headers; ``dp_rank``: the rank the
+    request is routed to, for an engine with several (vLLM and SGLang honour
+    ``X-Data-Parallel-Rank``)."""
+    named = {v.strip().lower() for k, v in client if k == b"connection" for v in v.split(b",")}
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client if k not in _NOT_FORWARDED and k not in named]
+    out += [("x-request-id", request_id), ("accept-encoding", "identity")]
+    if dp_rank is not None:
+        out.append(("x-data-parallel-rank", str(dp_rank)))
+    if not any(k == b"content-type" for k, _ in client):
+        out.append(("content-type", "application/json"))
+    if api_key:
+        out.append(("authorization", f"Bearer {api_key}"))
+    return out
+
+
+def _has_content(event: bytes) -> bool:
+    """Whether one SSE event carries the first output: a token of text, content,
+    reasoning or a tool call, or the end of a choice (a request that generates nothing
+    has finished its prefill too)."""
+    if not event.startswith(b"data:"):
+        return False
+    data = event[5:].strip()
+    if data == _DONE:
+        return True
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text") or choice.get("finish_reason"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (
+            delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
+def _events(data: bytes) -> list[bytes]:
+    return data.replace(b"\r\n", b"\n").split(b"\n\n")
+
+
+def stream_usage(tail: bytes) -> dict | None:
+    """The ``usage`` of a stream's last chunks (``stream_options.include_usage``)."""
+    if b'"usage"' not in tail:
+        return None
+    for event in reversed(_events(tail)):
+        if event.startswith(b"data:") and b'"usage"' in event:
+            try:
+                usage = orjson.loads(event[5:].strip()).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(usage, dict):
+                return usage
+    return None
+
+
+def body_usage(body: bytes) -> dict | None:
+    try:
+        usage = orjson.loads(body).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _count(usage: dict | None, *path: str) -> int | None:
+    for key in path:
+        if not isinstance(usage, dict):
+            return None
+        usage = usage.get(key)
+    return usage if type(usage) is int and usage >= 0 else None
+
+
+class _Upstream(Exception):
+    """An attempt that failed before the worker's first byte (retried elsewhere)."""
+
+    def __init__(self, reason: str, error: ApiError, answer: tuple[int, list, bytes] | None = None) -> None:
+        super().__init__(error.message)
+        self.reason, self.error, self.answer = reason, error, answer
+
+
+class Exchange:
+    """The ASGI response of one relayed request."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        req: OpenAIRequest,
+        raw: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        request_id: str,
+        ids: list[int],
+        lora: str | None,
+        endpoints: Sequence[WorkerEndpoint],
+        started: float,
+    ) -> None:
+        self.gw, self.req, self.raw, self.headers, self.request_id = gateway, req, raw, headers, request_id
+        self.ids, self.lora, self.endpoints, self.started = ids, lora, endpoints, started
+        self.track = req.endpoint is not Endpoint.EMBEDDINGS
+        self.life = RequestLife(gateway.replica, gateway.limiter)
+        self.status = 0
+        self.outcome = "ok"
+        #: The worker holding the request now (engaged: released at the end).
+        self.worker: int | None = None
+        #: The last worker tried: the one the answer names.
+        self.tried_last: int | None = None
+        self.predicted = 0
+        self.attempts = 0
+        self.first_at: float | None = None
+        self.usage: dict | None = None
+        self.disconnected = False
+        self.finished = False
+        self.response: aiohttp.ClientResponse | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def watch() -> None:
+            # The server says http.disconnect when the client leaves (and once the
+            # response is complete: ``finished`` is set before that).
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not self.finished:
+                self.disconnected = True
+                task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            try:
+                await self._run(send)
+            except ApiError as exc:
+                if self.status:  # the answer had begun: it ends as it is
+                    raise
+                self.outcome = self.outcome if self.outcome != "ok" else exc.code or "error"
+                self.finished = True
+                await self._error(send, exc)
+        except asyncio.CancelledError:
+            if not self.disconnected:
+                raise
+            task.uncancel()
+            self.outcome, self.status = "client_disconnected", 499  # nginx's code for it
+        finally:
+            self.finished = True
+            watcher.cancel()
+            await self._end()
+
+    async def _end(self) -> None:
+        if self.response is not None:
+            self.response.close()  # a relay cut short: the worker sees its client leave
+        if self.worker is not None:
+            self.gw.release(self.worker)
+            if self.disconnected:
+                self.gw.health.abandoned(self.worker)
+        await self.life.free()
+        self.gw.finished(self)
+
+    async def _error(self, send: Any, exc: ApiError) -> None:
+        self.status = exc.status
+        body = exc.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"x-request-id", self.request_id.encode())]
+        headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+        await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    # -- attempts ----------------------------------------------------------------------
+
+    async def _run(self, send: Any) -> None:
+        gw = self.gw
+        tried: set[int] = set()
+        last: _Upstream | None = None
+        for _ in range(1 + gw.options.retries):
+            try:
+                eps = gw.choosable(self.endpoints, tried, self.req.model)
+            except ApiError:
+                if last is None:
+                    raise
+                break  # no other worker to retry on: the last failure is the answer
+            try:
+                resp = await self._attempt(eps)
+            except _Upstream as exc:
+                last = exc
+                tried.add(self.worker)  # type: ignore[arg-type]
+                gw.metrics.upstream_failures.labels(worker=str(self.worker), reason=exc.reason).inc()
+                gw.health.failed(self.worker, exc.error.message)  # type: ignore[arg-type]
+                gw.release(self.worker)  # type: ignore[arg-type]
+                self.worker = None
+                await self.life.free()
+                continue
+            gw.health.succeeded(self.worker)  # type: ignore[arg-type]
+            self.response = resp  # closed by _end unless relayed to its end
+            if resp.content_type == _SSE and resp.status == 200:
+                await self._relay_stream(resp, send)
+            else:
+                await self._relay_whole(resp, send)
+            return
+        assert last is not None
+        self.outcome = f"upstream_{last.reason}"
+        if last.answer is not None:  # the worker's own 5xx, as it said it
+            status, headers, body = last.answer
+            await self._start(send, status, headers, len(body))
+            await send({"type": "http.response.body", "body": body})
+        else:
+            raise last.error
+
+    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> aiohttp.ClientResponse:
+        gw = self.gw
+        candidates = [WorkerKey(ep.worker_id, r) for ep in eps for r in range(ep.dp_ranks)]
+        try:
+            decision = await self.life.route(self.ids, self.lora, candidates, self.track)
+        except NoEligibleWorkerError as exc:  # every candidate over the router's busy limits
+            raise overloaded(f"every worker of {self.req.model!r} is busy: {exc}", gw.options.retry_after_s) from None
+        self.attempts += 1
+        wid = decision.worker.worker_id
+        ep = next(e for e in eps if e.worker_id == wid)
+        self.worker = self.tried_last = wid
+        self.predicted = decision.op.overlap_tokens if decision.op is not None else 0
+        gw.engage(wid)
+        if self.attempts > 1:
+            gw.metrics.retries.labels(reason=self.outcome).inc()
+        rank = decision.worker.dp_rank
+        headers = upstream_headers(self.headers, self.request_id, ep.api_key, rank if rank or ep.dp_ranks > 1 else None)
+        try:
+            resp = await gw.session.post(
+                ep.url + self.req.endpoint.value, data=self.raw, headers=headers, timeout=gw.upstream_timeout,
+            )
+        except TimeoutError:
+            self.outcome = "timeout"
+            raise _Upstream("timeout", upstream_failed(504, f"worker {wid} sent nothing within {gw.options.read_timeout_s}s")) from None
+        except aiohttp.ClientError as exc:
+            self.outcome = "connect"
+            raise _Upstream("connect", upstream_failed(502, f"worker {wid} is unreachable: {type(exc).__name__}: {exc}")) from None
+        if resp.status >= 500:
+            self.outcome = f"status_{resp.status}"
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, TimeoutError):
+                body = b""
+            finally:
+                resp.release()
+            raise _Upstream(
+                "5xx", upstream_failed(502, f"worker {wid} answered {resp.status}"), (resp.status, self._relayed(resp), body)
+            )
+        return resp
+
+    # -- the answer ----------------------------------------------------------------------
+
+    def _relayed(self, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+        return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in _NOT_RELAYED]
+
+    async def _start(self, send: Any, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
+        self.status = status
+        headers = headers + [
+            (b"x-request-id", self.request_id.encode()),
+            (b"x-kvstream-worker", str(self.tried_last).encode()),
+            (b"x-kvstream-cached-tokens", str(self.predicted).encode()),
+        ]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _relay_whole(self, resp: aiohttp.ClientResponse, send: Any) -> None:
+        try:
+            body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.outcome = "upstream_broken"
+            self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
+            self.gw.metrics.upstream_failures.labels(worker=str(self.worker), reason="broken_answer").inc()
+            raise upstream_failed(502, f"worker {self.worker}'s answer broke off: {type(exc).__name__}: {exc}") from None
+        resp.release()
+        self.response = None
+        self.finished = True
+        await self._start(send, resp.status, self._relayed(resp), len(body))
+        await send({"type": "http.response.body", "body": body})
+        # The load's bookkeeping after the answer left: it costs the client nothing.
+        if resp.status == 200:
+            self.first_at = time.perf_counter()
+            await self.life.prefill_done()
+            self.usage = body_usage(body)
+        else:
+            self.outcome = f"worker_{resp.status}"
+
+    async def _relay_stream(self, resp: aiohttp.ClientResponse, send: Any) -> None:
+        await self._start(send, 200, self._relayed(resp), None)
+        itl = self.gw.metrics.of(self.gw.metrics.itl, self.req.model)
+        pending: bytes | None = b""  # the events not yet known to hold content (None: found)
+        prev = last = b""
+        seen = 0.0
+        try:
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if pending is not None:
+                    pending += chunk
+                    *events, rest = _events(pending)
+                    if any(_has_content(e) for e in events):
+                        pending = None
+                        self.first_at = now
+                        await self.life.prefill_done()  # after the chunk left: it costs the client nothing
+                    else:
+                        pending = rest
+                else:
+                    itl.observe(now - seen)
+                seen = now
+                prev, last = last, chunk
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.outcome = "upstream_broken"
+            self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
+            self.gw.metrics.upstream_failures.labels(worker=str(self.worker), reason="broken_stream").inc()
+            error = upstream_failed(502, f"worker {self.worker}'s stream broke off: {type(exc).__name__}: {exc}")
+            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps({"error": error.fields()}) + b"\n\n",
+                        "more_body": True})
+        else:
+            resp.release()
+            self.response = None
+        self.usage = stream_usage(prev + last)
+        self.finished = True
+        await send({"type": "http.response.body", "body": b""})

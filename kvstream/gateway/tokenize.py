@@ -1,0 +1,248 @@
+"""Token ids of a request's prompt inside the request path (issue 22, item 3): the
+:class:`~kvstream.gateway.seams.PromptTokenizer` implementations.
+
+- :class:`LocalTokenizer`: a model's ``tokenizer.json`` (HF ``tokenizers``) and its chat
+  template (``tokenizer_config.json``'s ``chat_template``, a string or a list of named
+  templates; or ``chat_template.jinja``; or a file given in the settings), rendered in a
+  sandboxed jinja2 environment set up as ``transformers``' ``apply_chat_template`` sets
+  it up (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``, a ``tojson``
+  that does not escape HTML, ``strftime_now``, the ``generation`` tag), then tokenized
+  without adding special tokens again, as vLLM does for chat. Completion text gets the
+  special tokens the engine adds (``add_special_tokens=True``): those of the
+  ``tokenizer.json`` post-processor (transformers ignores ``add_bos_token`` /
+  ``add_eos_token`` of ``tokenizer_config.json`` when there is a ``tokenizer.json``).
+
+Asking the chosen engine's ``/tokenize`` instead is the relay's (``[gateway] tokenize =
+"engine"``, kvstream.gateway.prompts).
+
+The ids of shared prefixes (system prompts, earlier turns) are cached at boundaries
+where the tokenizer provably splits (kvstream.gateway.prefix_cache), so that cached ids
+always equal fresh ones.
+
+Thread-safe: tokenizers' encode is; the cache is guarded by a lock held only for lookups
+and inserts, never while tokenizing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstream.gateway.chat_template import ChatRenderer
+from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
+from kvstream.gateway.options import DEFAULT_CACHE_BYTES, ModelTokenizerConfig
+from kvstream.gateway.prefix_cache import Anchors, PrefixCache
+from kvstream.gateway.seams import PromptTokenizer
+
+if TYPE_CHECKING:  # imported when a tokenizer is loaded: every other command starts faster
+    import tokenizers
+
+#: Token ids are u32 in every engine kvstream bridges.
+MAX_TOKEN_ID = 2**32 - 1
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def validate_ids(prompt: Sequence[Any]) -> list[int]:
+    """A token-id prompt as given, or TokenizeError naming the first bad element."""
+    if len(prompt) == 0:
+        raise TokenizeError("prompt is an empty list of token ids")
+    out = list(prompt)
+    for i, t in enumerate(out):
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+            raise TokenizeError(f"prompt[{i}] = {str(t)[:40]!r}: token ids must be integers in [0, 2**32)")
+    return out
+
+
+# -- loading -------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise TokenizerConfigError(f"{path}: expected a JSON object")
+    return doc
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string or an AddedToken object."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _templates(raw: Any, where: str) -> dict[str, str]:
+    """``chat_template`` as a name → template map (``default`` for a single one)."""
+    if raw is None:
+        return {}
+    if isinstance(raw, str):
+        return {"default": raw}
+    if isinstance(raw, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in raw
+    ):
+        return {t["name"]: t["template"] for t in raw}
+    raise TokenizerConfigError(f"{where}: chat_template must be a string or a list of {{name, template}}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedTokenizer:
+    tokenizer: tokenizers.Tokenizer
+    config: dict[str, Any]
+    #: Chat templates by name (``default``, ``tool_use``, ...); empty: no chat.
+    templates: dict[str, str]
+    source: str
+
+
+def load(cfg: ModelTokenizerConfig) -> LoadedTokenizer:
+    """Read a model's tokenizer files; TokenizerConfigError says which file is wrong."""
+    import tokenizers
+
+    path = Path(cfg.tokenizer)
+    if path.is_dir():
+        tok_file, conf_file, jinja_file = path / "tokenizer.json", path / "tokenizer_config.json", path / "chat_template.jinja"
+    elif path.is_file():
+        tok_file, conf_file, jinja_file = path, None, None
+    else:
+        raise TokenizerConfigError(f"model {cfg.name}: tokenizer {path} is neither a directory nor a file")
+    if not tok_file.is_file():
+        raise TokenizerConfigError(f"model {cfg.name}: {tok_file} does not exist")
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as exc:  # the Rust side reports bad files as plain Exceptions
+        raise TokenizerConfigError(f"model {cfg.name}: cannot load {tok_file}: {exc}") from None
+    config = _read_json(conf_file) if conf_file is not None and conf_file.is_file() else {}
+    templates = _templates(config.get("chat_template"), str(conf_file))
+    if jinja_file is not None and jinja_file.is_file():
+        templates = {**templates, "default": jinja_file.read_text(encoding="utf-8")}
+    if cfg.chat_template is not None:
+        try:
+            templates = {**templates, "default": Path(cfg.chat_template).read_text(encoding="utf-8")}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerConfigError(f"model {cfg.name}: cannot read chat template {cfg.chat_template}: {exc}") from None
+    return LoadedTokenizer(tok, config, templates, str(tok_file))
+
+# -- the local tokenizer ---------------------------------------------------------------
+
+
+class LocalTokenizer(PromptTokenizer):
+    """One model's tokenizer and chat template, with the prefix cache."""
+
+    def __init__(self, loaded: LoadedTokenizer, *, cache_bytes: int = DEFAULT_CACHE_BYTES, name: str = "") -> None:
+        self.name = name
+        self.source = loaded.source
+        tok = loaded.tokenizer
+        tok.no_truncation()
+        tok.no_padding()
+        tok.encode_special_tokens = False
+        self._tok = tok
+        special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(loaded.config.get(k))) is not None}
+        self.renderer = ChatRenderer(loaded.templates, special)
+        self._anchors = Anchors(tok)
+        self.cache = PrefixCache(cache_bytes) if cache_bytes > 0 else None
+        self._wrap = self._special_wrap()
+
+    @classmethod
+    def from_config(cls, cfg: ModelTokenizerConfig) -> LocalTokenizer:
+        return cls(load(cfg), cache_bytes=cfg.prefix_cache_bytes, name=cfg.name)
+
+    def _special_wrap(self) -> tuple[list[int], list[int]] | None:
+        """(head, tail) such that ids with special tokens = head + ids without + tail, as
+        the post-processor adds them; None when it does something else (then completion
+        text is always tokenized whole)."""
+        tok = self._tok
+        bare = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+        for i in range(len(full) - len(bare) + 1):
+            if full[i:i + len(bare)] == bare:
+                head, tail = full[:i], full[i + len(bare):]
+                break
+        else:
+            return None
+        for probe in ("hello world", "12 <x>\n"):
+            b = tok.encode(probe, add_special_tokens=False).ids
+            if tok.encode(probe, add_special_tokens=True).ids != head + b + tail:
+                return None
+        return head, tail
+
+    # -- PromptTokenizer --------------------------------------------------------------
+
+    def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self._wrap is None:
+                return self._tok.encode(prompt, add_special_tokens=True).ids
+            head, tail = self._wrap
+            return head + self.text_ids(prompt) + tail
+        if isinstance(prompt, (list, tuple)):
+            return validate_ids(prompt)
+        raise TokenizeError("prompt must be a string or a list of token ids")
+
+    def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
+        text = self.renderer.render(body)
+        ids = self.text_ids(text)
+        if body.get("add_special_tokens"):  # vLLM's chat option (default false)
+            head, tail = self._wrap if self._wrap is not None else ([], [])
+            ids = head + ids + tail
+        return ids
+
+    # -- text → ids ---------------------------------------------------------------------
+
+    def fresh_ids(self, text: str) -> list[int]:
+        """``text`` tokenized whole, without special tokens added (the reference)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def text_ids(self, text: str) -> list[int]:
+        """``text`` without special tokens added; through the prefix cache."""
+        cache = self.cache
+        if cache is None:
+            return self.fresh_ids(text)
+        cuts = self._anchors.boundaries(text)
+        if not cuts:
+            return self.fresh_ids(text)
+        found, node, ids, above = cache.longest(text, cuts)
+        if found:
+            start, sentinel = cuts[found - 1]
+        else:
+            start, sentinel = 0, ""
+        enc = self._tok.encode(sentinel + text[start:], add_special_tokens=False)
+        rest_ids, offsets = enc.ids, enc.offsets
+        skip = 0
+        if sentinel:
+            if not rest_ids or rest_ids[0] != self._anchors.ids[sentinel] or offsets[0] != (0, len(sentinel)):
+                cache.fallback()
+                return self.fresh_ids(text)
+            skip = 1
+        # Cut the new part at its anchors (rule 3: the anchor's own id at its offsets).
+        shift = start - len(sentinel)
+        pieces: list[tuple[str, tuple[int, ...]]] = []
+        i, seg_start, piece_start = skip, start, skip
+        for end, anchor in cuts[found:]:
+            tid, want = self._anchors.ids[anchor], (end - len(anchor) - shift, end - shift)
+            while i < len(rest_ids) and offsets[i][1] < want[1]:
+                i += 1
+            if i >= len(rest_ids) or rest_ids[i] != tid or offsets[i] != want:
+                break
+            i += 1
+            pieces.append((text[seg_start:end], tuple(rest_ids[piece_start:i])))
+            seg_start, piece_start = end, i
+        if pieces:
+            cache.insert(node, pieces, above)
+        ids.extend(rest_ids[skip:])
+        return ids
+
+
+def local_tokenizers(models: Sequence[ModelTokenizerConfig]) -> dict[str, LocalTokenizer]:
+    """Each configured model's tokenizer, by model name (files are read now: a bad one
+    fails the start, with TokenizerConfigError)."""
+    out: dict[str, LocalTokenizer] = {}
+    for cfg in models:
+        if cfg.name in out:
+            raise TokenizerConfigError(f"model {cfg.name} is configured twice in [[gateway.models]]")
+        out[cfg.name] = LocalTokenizer.from_config(cfg)
+    return out
