@@ -192,7 +192,7 @@ def _bench(*args: str) -> dict:
 @pytest.mark.timeout(1800)
 def test_gateway_bench_measures_the_peers_against_the_direct_baseline() -> None:
     r = _bench("--fronts", "direct,sglang-router,vllm-router", "--duration", "1", "--tokens", "16",
-               "--prompts", "4", "--prompt-chars", "200", "--connections", "4", "--open-loop-connections", "8")
+               "--prompts", "4", "--prompt-chars", "200", "--connections", "2,4", "--open-loop-connections", "8")
     for key in ("added_p50_us", "added_p99_us", "json_requests_per_s", "stream_requests_per_s",
                 "sglang_router_stream_requests_per_s", "vllm_router_stream_requests_per_s"):
         assert key in r, key
@@ -219,6 +219,10 @@ def test_gateway_bench_measures_the_peers_against_the_direct_baseline() -> None:
             # cannot serve clearly more than the backend alone.
             assert f[f"{kind}_requests_per_s"] <= direct[f"{kind}_requests_per_s"] / 0.8
             assert f[f"{kind}_front_cpu_us_per_request"] > 0
+            # The peak is the best of the connection counts tried.
+            by = f[f"{kind}_requests_per_s_by_connections"]
+            assert set(by) == {"2", "4"} and f[f"{kind}_requests_per_s"] == max(by.values())
+            assert by[str(f[f"{kind}_peak_connections"])] == f[f"{kind}_requests_per_s"]
         assert r[key + "stream_requests_per_s"] == f["stream_requests_per_s"]
         assert r[key + "added_p50_us"] == f["added_p50_us"]
     assert direct["json_front_cpu_us_per_request"] is None

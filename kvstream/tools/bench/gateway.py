@@ -8,9 +8,9 @@ kvstream.tools.bench.peers). Every front stands in front of the same backends
 (kvstream.tools.bench.backend), and the same load generator (oha) drives each in turn:
 
 1. closed loop (``--connections`` keep-alive connections, each sending its next request
-   when the last is answered) for ``--duration`` seconds, with non-streaming and then
-   streaming ``/v1/completions`` of ``--tokens`` tokens (one SSE event each): the peak
-   requests/s;
+   when the last is answered; with several counts, the best is the peak) for
+   ``--duration`` seconds, with non-streaming and then streaming ``/v1/completions`` of
+   ``--tokens`` tokens (one SSE event each): the peak requests/s;
 2. open loop, every front (direct included) at the same rate: half the slowest front's
    peak of that kind (``--rate`` overrides the non-streaming one), so that no front
    queues and the latency it adds is its own work: p50/p99 counted from each request's
@@ -147,16 +147,22 @@ def _cpu(procs: Sequence[ManagedProcess]) -> float:
 
 def closed_loop(
     url: str, proc: ManagedProcess | None, backends: Sequence[ManagedProcess], bodies: dict[str, list[bytes]],
-    connections: int, duration: float,
+    connections: Sequence[int], duration: float,
 ) -> dict[str, Any]:
-    """Peak requests/s of each kind, and the CPU the front and the backends spent per request."""
+    """Peak requests/s of each kind (the best over the ``connections`` counts), and the
+    CPU the front and the backends spent per request in that best run."""
     out: dict[str, Any] = {}
     front = [proc] if proc else []
     for kind in KINDS:
-        front0, back0 = _cpu(front), _cpu(backends)
-        r = run_oha(url, PATH, bodies[kind], "application/json", None, connections, duration)
-        front_s, back_s = _cpu(front) - front0, _cpu(backends) - back0
+        runs = []
+        for n in connections:
+            front0, back0 = _cpu(front), _cpu(backends)
+            r = run_oha(url, PATH, bodies[kind], "application/json", None, n, duration)
+            runs.append((r, n, _cpu(front) - front0, _cpu(backends) - back0))
+        r, n, front_s, back_s = max(runs, key=lambda run: run[0]["requests_per_s"])
         out[f"{kind}_requests_per_s"] = r["requests_per_s"]
+        out[f"{kind}_requests_per_s_by_connections"] = {str(c): run["requests_per_s"] for run, c, _, _ in runs}
+        out[f"{kind}_peak_connections"] = n
         out[f"{kind}_closed_loop_p50_us"] = r["p50_us"]
         out[f"{kind}_closed_loop_p99_us"] = r["p99_us"]
         out[f"{kind}_front_cpu_us_per_request"] = round(front_s / r["requests"] * 1e6, 1) if proc else None
@@ -194,7 +200,11 @@ def _loadavg() -> str:
 @click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="Output tokens per request (SSE events).")
 @click.option("--prompts", "n_prompts", default=64, show_default=True, help="Distinct prompts, cycled.")
 @click.option("--prompt-chars", default=2000, show_default=True, help="Prompt length (half a shared prefix).")
-@click.option("--connections", default=32, show_default=True, help="Keep-alive connections of the closed loop.")
+# Fronts peak at different concurrencies: sglang-router's streams each waited ~40 ms for
+# oha's delayed ACK at low concurrency (32 connections capped it near 32 / 40 ms), while
+# vllm-router spent more CPU per stream at 128.
+@click.option("--connections", default="32,128", show_default=True,
+              help="Keep-alive connections of the closed loop; several (comma-separated): the best is the peak.")
 @click.option("--open-loop-connections", default=64, show_default=True, help="oha's connections (at most) in the open loop.")
 @click.option("--duration", default=5.0, show_default=True, help="Seconds of each load run.")
 @click.option("--rate", type=float, help="Open-loop rate of non-streaming requests [half the slowest front's peak].")
@@ -203,7 +213,7 @@ def _loadavg() -> str:
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds a front may take to come up.")
 @bootstrap_option
 def gateway_bench(
-    as_json: bool, fronts: str, n_backends: int, tokens: int, n_prompts: int, prompt_chars: int, connections: int,
+    as_json: bool, fronts: str, n_backends: int, tokens: int, n_prompts: int, prompt_chars: int, connections: str,
     open_loop_connections: int, duration: float, rate: float | None, sglang_policy: str, vllm_policy: str,
     ready_timeout: float, bootstrap: str | None,
 ) -> None:
@@ -214,8 +224,14 @@ def gateway_bench(
     if unknown:
         raise click.BadParameter(f"unknown fronts {unknown}; known: {', '.join(FRONTS)}", param_hint="--fronts")
     order = ["direct", *dict.fromkeys(f for f in chosen if f != "direct")]
-    if n_backends < 1 or tokens < 1 or n_prompts < 1 or duration <= 0 or connections < 1 or open_loop_connections < 1:
-        raise click.BadParameter("--backends, --tokens, --prompts, --connections and --duration must be positive")
+    try:
+        counts = [int(c) for c in connections.split(",") if c.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a list of integers: {connections!r}", param_hint="--connections") from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("must name at least one count, each >= 1", param_hint="--connections")
+    if n_backends < 1 or tokens < 1 or n_prompts < 1 or duration <= 0 or open_loop_connections < 1:
+        raise click.BadParameter("--backends, --tokens, --prompts, --open-loop-connections and --duration must be positive")
     if rate is not None and rate <= 0:
         raise click.BadParameter("must be positive", param_hint="--rate")
     if "kvstream" in order:
@@ -236,7 +252,7 @@ def gateway_bench(
             started[front] = stack.enter_context(start_front(front, backends, policies, bootstrap, ready_timeout))
         for front, (url, proc) in started.items():
             click.echo(f"closed loop: {front}...", err=True)
-            results[front] = closed_loop(url, proc, backends, bodies, connections, duration)
+            results[front] = closed_loop(url, proc, backends, bodies, counts, duration)
         # Half the slowest front's peak: a rate at which no front queues, so that the
         # latency added is the front's work, not its backlog.
         rates = {k: min(r[f"{k}_requests_per_s"] for r in results.values()) / 2 for k in KINDS}
@@ -280,7 +296,7 @@ def gateway_bench(
         "tokens": tokens,
         "prompt_chars": prompt_chars,
         "duration_s": duration,
-        "connections": connections,
+        "connections": counts,
         "load_generator": f"oha {OHA_VERSION}",
         "peer_versions": peer_versions(),
         "cpu_count": os.cpu_count(),
