@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "pipeline": "kvstream.tools.bench.pipeline:pipeline_bench",
     "restart": "kvstream.tools.bench.restart:restart_bench",
     "http": "kvstream.tools.bench.http:http_bench",
+    "gateway": "kvstream.tools.bench.gateway:gateway_bench",
     "tokenize": "kvstream.tools.bench.tokenize:tokenize_bench",
     "ingest": "kvstream.tools.bench.ingest:ingest_bench",
     "emulate": "kvstream.tools.bench.emulate:emulate_bench",

@@ -132,12 +132,14 @@ def run_wrk(
 
 
 def run_oha(
-    url: str, path: str, bodies: list[bytes], content_type: str, rate: float, connections: int, duration_s: float
+    url: str, path: str, bodies: list[bytes], content_type: str, rate: float | None, connections: int,
+    duration_s: float,
 ) -> dict[str, Any]:
     """Open-loop load: requests due at ``rate`` per second for ``duration_s`` over up to
     ``connections`` keep-alive connections, latency counted from each request's due time
-    (oha's ``--latency-correction``). Several bodies need one line each (JSON); a single
-    body is sent as it is (binary)."""
+    (oha's ``--latency-correction``); ``rate`` None: closed loop (each connection sends
+    its next request when the last is answered). Several bodies need one line each
+    (JSON); a single body is sent as it is (binary)."""
     oha = ensure_oha()
     if len(bodies) > 1 and any(b"\n" in b for b in bodies):
         raise click.ClickException("several bodies for oha must each fit on one line")
@@ -150,8 +152,9 @@ def run_oha(
             data.write_bytes(bodies[0])
             body = ["-D", str(data)]
         cmd = [
-            oha, "--no-tui", "--output-format", "json", "-z", f"{duration_s:g}s", "-q", f"{rate:g}",
-            "--latency-correction", "-c", str(connections), "-m", "POST", "-T", content_type, *body, url + path,
+            oha, "--no-tui", "--output-format", "json", "-z", f"{duration_s:g}s",
+            *([] if rate is None else ["-q", f"{rate:g}", "--latency-correction"]),
+            "-c", str(connections), "-m", "POST", "-T", content_type, *body, url + path,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 120)
     if out.returncode != 0:

@@ -1,0 +1,180 @@
+"""The servers a benchmark starts (backends, peer routers, replicas): each in its own
+process group with its output in a log file, on a loopback port that must be free, and
+stopped with everything it started when its block ends, at interpreter exit, on Ctrl-C
+and on SIGTERM/SIGHUP (turned into SystemExit, so that the blocks unwind)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import httpx
+
+HOST = "127.0.0.1"
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_LIVE: set[ManagedProcess] = set()
+_LIVE_LOCK = threading.Lock()
+_HANDLERS_SET = False
+
+
+def port_taken(port: int) -> bool:
+    """Whether something holds ``port`` on the loopback address (binding without
+    SO_REUSEADDR fails on a listening or lingering socket)."""
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for proc in live:
+        proc.stop()
+
+
+def _exit_on(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _install_handlers() -> None:
+    """Once, from the main thread: stop every live process at exit, and let SIGTERM and
+    SIGHUP unwind like Ctrl-C does (where nobody else handles them)."""
+    global _HANDLERS_SET
+    if _HANDLERS_SET:
+        return
+    _HANDLERS_SET = True
+    atexit.register(_stop_all)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _exit_on)
+
+
+@dataclass(eq=False)
+class ManagedProcess:
+    """A started server: its own process group (the leader's pid), serving on ``port``."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    _stopped: bool = field(default=False, repr=False)
+
+    @classmethod
+    def start(
+        cls, name: str, cmd: Sequence[str], port: int, env: Mapping[str, str] | None = None,
+        extra_ports: Sequence[int] = (),
+    ) -> ManagedProcess:
+        """Run ``cmd`` (which will listen on ``port`` and ``extra_ports``); refused when a
+        port is taken."""
+        for p in (port, *extra_ports):
+            if port_taken(p):
+                raise click.ClickException(f"{name}: port {p} on {HOST} is taken")
+        _install_handlers()
+        fd, log = tempfile.mkstemp(prefix=f"kvstream-{name.replace(':', '-')}-", suffix=".log")
+        try:
+            popen = subprocess.Popen(
+                list(cmd), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                start_new_session=True, env=None if env is None else {**os.environ, **env},
+            )
+        except OSError as exc:
+            os.unlink(log)
+            raise click.ClickException(f"{name}: cannot start {cmd[0]}: {exc}") from None
+        finally:
+            os.close(fd)
+        proc = cls(name, popen, port, Path(log))
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
+        return proc
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:].strip()
+        except OSError:
+            return ""
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the live processes of the group."""
+        total = 0
+        pgid = str(self.popen.pid)
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            rest = stat[stat.rfind(")") + 2:].split()
+            if rest[2] == pgid:
+                total += int(rest[11]) + int(rest[12])
+        return total / _CLOCK_TICKS
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM to the group, SIGKILL to what is left after ``grace`` seconds."""
+        if self._stopped:
+            return
+        self._stopped = True
+        pgid = self.popen.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.popen.wait(grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:  # what is left of the group: the leader past its grace, or children it left
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        self.log_path.unlink(missing_ok=True)
+
+
+def wait_http(proc: ManagedProcess, path: str, timeout: float) -> None:
+    """Return once ``GET path`` answers 200; a clear error (with the server's log) when
+    the process dies or the time runs out."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if proc.popen.poll() is not None:
+                raise click.ClickException(
+                    f"{proc.name} exited with code {proc.popen.returncode} before it answered:\n{proc.log_tail()}"
+                )
+            try:
+                r = client.get(proc.url + path)
+                if r.status_code == 200:
+                    return
+                last = f"{r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"{proc.name} did not answer GET {path} within {timeout:.0f}s ({last}):\n{proc.log_tail()}"
+                )
+            time.sleep(0.1)
