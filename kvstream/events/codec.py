@@ -136,6 +136,28 @@ _KIND_SYMBOLS: dict[type, str] = {Stored: "STORED", Removed: "REMOVED", Cleared:
 PACKED_KINDS: tuple[type[RouterEvent], ...] = (Stored, Removed, Cleared)
 #: Model tiers in the order of its tier codes (PackedEvent[2]).
 PACKED_TIERS: tuple[Tier, ...] = tuple(Tier)
+#: What stands in an event's digest for its tier (its index in PACKED_TIERS) and for a
+#: missing parent: ``hash`` of an enum or of None differs between processes, and digests
+#: are kept in snapshots.
+_NO_PARENT = -1
+
+
+def event_digest(ev: RouterEvent) -> int:
+    """A digest of an event's content, the same in every process: ``hash`` of the tuple
+    of its fields with the stand-ins above. The compiled reader computes the same for
+    each event it reads (``EventBatchReader``: CPython's tuple and int hash), so the fold
+    keeps one digest whichever path read the record."""
+    head = (ev.worker_id, ev.dp_rank, _TIER_INDEX[ev.tier], ev.epoch, ev.event_id)
+    kind = type(ev)
+    if kind is Stored:
+        parent = _NO_PARENT if ev.parent_hash is None else ev.parent_hash
+        return hash((*head, parent, ev.block_hashes, ev.tokens_hashes))
+    if kind is Removed:
+        return hash((*head, ev.block_hashes))
+    return hash(head)
+
+
+_TIER_INDEX = {t: i for i, t in enumerate(PACKED_TIERS)}
 #: An event as the compiled reader gives it: (kind code, dp_rank, tier code, event_id,
 #: parent_hash, byte offset of its block hashes in the message, of its tokens hashes,
 #: block count, ``hash()`` of the model event it stands for).
@@ -202,8 +224,8 @@ class EventCodec:
                 self._header,
                 [PACKED_TIERS.index(_TIER_BY_SYMBOL[s]) if s in _TIER_BY_SYMBOL else -1 for s in tiers],
                 [kind_names.index(s) if s in kind_names else -1 for s in kinds],
-                [hash(t) for t in PACKED_TIERS],
-                hash(None),
+                [hash(i) for i in range(len(PACKED_TIERS))],  # event_digest's stand-ins
+                hash(_NO_PARENT),
             )
             if self._fast
             else None

@@ -40,7 +40,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
+from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch, event_digest
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import (
     Cleared,
@@ -129,22 +129,6 @@ def fold_in_slices(
 
 #: Event ids per (worker, rank) whose digests the fold keeps (kvstream.replica.fold.WorkerLog).
 RECENT_IDS = 32
-_KINDS = {Stored: 1, Removed: 2, Cleared: 3}
-_TIER_CODES = {t: i for i, t in enumerate(Tier)}
-
-
-def event_digest(ev: RouterEvent) -> int:
-    """A digest of an event's content, the same in every process (``hash`` of a str, an
-    enum or None is not), so that snapshots can keep it."""
-    kind = type(ev)
-    if kind is Stored:
-        body: tuple = (ev.parent_hash is None, ev.parent_hash or 0, ev.block_hashes, ev.tokens_hashes)
-    elif kind is Removed:
-        body = (ev.block_hashes,)
-    else:
-        body = ()
-    return hash((_KINDS[kind], ev.dp_rank, _TIER_CODES[ev.tier], ev.epoch, ev.event_id, body))
-
 
 @dataclass(slots=True)
 class WorkerLog:
@@ -172,10 +156,13 @@ class WorkerLog:
         return digest is not None and digest != event_digest(ev)
 
     def remember(self, ev: RouterEvent) -> None:
-        seen = self.recent.get(ev.dp_rank)
+        self.remember_digest(ev.dp_rank, ev.event_id, event_digest(ev))
+
+    def remember_digest(self, rank: int, event_id: int, digest: int) -> None:
+        seen = self.recent.get(rank)
         if seen is None:
-            seen = self.recent[ev.dp_rank] = {}
-        seen[ev.event_id] = event_digest(ev)
+            seen = self.recent[rank] = {}
+        seen[event_id] = digest
         if len(seen) > RECENT_IDS:
             del seen[next(iter(seen))]  # ids only grow: the first is the oldest
 
@@ -343,6 +330,7 @@ class LogFold:
         # Each event the next id of its rank (or its rank's first), within the limits
         # even if every store before it in the batch is accepted (an upper bound of held).
         ids: dict[int, int] = {}
+        stored = 0
         for kind, rank, _, eid, _, _, _, n, _ in events:
             last = ids.get(rank, last_ids.get(rank))
             if last is not None and eid != last + 1:
@@ -354,8 +342,19 @@ class LogFold:
                 if check_blocks(True, n, held) is not None:
                     return None
                 held += n
+                stored += n
             elif kind == _REMOVED and check_blocks(False, n, 0) is not None:
                 return None
+        # The partition's block budget by its upper bound (_partition_budget): where the
+        # bound is unknown or would refuse, the general path counts exactly.
+        budgeted = stored and self.authority.max_blocks_per_partition is not None
+        if budgeted:
+            bound = self._partition_held.get(partition)
+            if bound is None:
+                bound = self._partition_held[partition] = self._partition_blocks(partition)
+            if self.authority.partition_blocks_full(bound, stored) is not None:
+                return None
+            self._partition_held[partition] = bound + stored
         self.dirty.add(wid)
         log.lease_ms = lease_ms
         if ts > log.last_seen_ms:
@@ -365,14 +364,16 @@ class LogFold:
         applied = 0
         rejected: list[str] = []
         apply = index.apply_packed
-        last_digest = log.last_digest
+        remember = log.remember_digest
         for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
             last_ids[rank] = eid
-            last_digest[rank] = digest  # hash() of the model event, as the general path keeps
+            remember(rank, eid, digest)  # event_digest of the model event, as the general path keeps
             reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, value, blocks_at, tokens_at, n)
             if reason is None:
                 applied += 1
                 announced = announced or kind != _REMOVED
+                if kind == _STORED:
+                    log.stored = True
             else:
                 rejected.append(f"event {i} (id {eid}): {reason}")
         if not known and not announced and index.knows(wid):
@@ -519,14 +520,18 @@ class LogFold:
         budget = self.authority.partition_blocks_full
         held = self._partition_held.get(partition)
         if held is None or budget(held, n) is not None:
-            index = self.router.index
-            held = sum(index.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
+            held = self._partition_blocks(partition)
             full = budget(held, n)
             if full is not None:
                 self._partition_held[partition] = held
                 return full
         self._partition_held[partition] = held + n
         return None
+
+    def _partition_blocks(self, partition: int) -> int:
+        """Blocks the workers bound to ``partition`` hold (exact)."""
+        index = self.router.index
+        return sum(index.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
 
     # -- leases ----------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvstream.events.codec import HEADER_LEN, MARKER, PACKED_KINDS, PACKED_TIERS, EventCodec, unpack_u64
+from kvstream.events.codec import HEADER_LEN, MARKER, PACKED_KINDS, PACKED_TIERS, EventCodec, event_digest, unpack_u64
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, EventBatch, Stored
 
@@ -51,7 +51,7 @@ def assert_packed_is(data: bytes, packed: Any, batch: EventBatch) -> None:
     for (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest), ev in zip(events, batch.events):
         assert PACKED_KINDS[kind] is type(ev)
         assert (rank, PACKED_TIERS[tier], eid) == (ev.dp_rank, ev.tier, ev.event_id)
-        assert digest == hash(ev)
+        assert digest == event_digest(ev)
         if type(ev) is Cleared:
             assert (parent, n) == (None, 0)
             continue

@@ -25,7 +25,7 @@ from .helpers import CODEC
 
 AUTHORITY = LogAuthority(
     check_key=True, max_epoch_ahead_ms=1_000, max_lease_ms=5_000, max_blocks_per_event=5,
-    max_blocks_per_worker=9, max_workers_per_partition=2,
+    max_blocks_per_worker=9, max_workers_per_partition=2, max_blocks_per_partition=14,
 )
 WORKERS = (3, 4, 5)
 HASHES = tuple(range(1, 13))
@@ -73,7 +73,8 @@ def logs(draw: st.DrawFn) -> list[tuple[int, int, bytes | None, bytes | None, bo
 def state(fold: LogFold) -> Any:
     index = fold.router.index
     workers = {
-        w: (log.partition, log.epoch, log.lease_ms, log.last_seen_ms, dict(log.last_ids), dict(log.last_digest))
+        w: (log.partition, log.epoch, log.lease_ms, log.last_seen_ms, dict(log.last_ids),
+            {r: dict(seen) for r, seen in log.recent.items()}, log.stored)
         for w, log in fold.workers.items()
     }
     blocks = {
