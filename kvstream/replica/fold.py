@@ -32,7 +32,9 @@ bench ingest; the fold's tests run both).
 
 from __future__ import annotations
 
+import functools
 import heapq
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -146,6 +148,28 @@ def event_digest(ev: RouterEvent) -> int:
     return hash((_KINDS[kind], ev.dp_rank, _TIER_CODES[ev.tier], ev.epoch, ev.event_id, body))
 
 
+@functools.lru_cache(maxsize=1024)
+def packer(count: int) -> struct.Struct:
+    """The little-endian u64s of a packed field (as the codec reads them)."""
+    return struct.Struct(f"<{count}Q")
+
+
+def packed_digest(
+    kind: int, rank: int, tier: int, epoch: int, eid: int, parent: int | None, data: bytes,
+    blocks_at: int, tokens_at: int, n: int,
+) -> int:
+    """:func:`event_digest` of a packed event (the compiled reader's own digest is
+    ``hash()`` of the model event, which differs between processes)."""
+    if kind == _STORED:
+        unpack = packer(n).unpack_from
+        body: tuple = (parent is None, parent or 0, unpack(data, blocks_at), unpack(data, tokens_at))
+    elif kind == _REMOVED:
+        body = (packer(n).unpack_from(data, blocks_at),)
+    else:
+        body = ()
+    return hash((_KINDS[PACKED_KINDS[kind]], rank, _TIER_CODES[PACKED_TIERS[tier]], epoch, eid, body))
+
+
 @dataclass(slots=True)
 class WorkerLog:
     """What the fold knows of one worker incarnation."""
@@ -172,10 +196,13 @@ class WorkerLog:
         return digest is not None and digest != event_digest(ev)
 
     def remember(self, ev: RouterEvent) -> None:
-        seen = self.recent.get(ev.dp_rank)
+        self.remember_digest(ev.dp_rank, ev.event_id, event_digest(ev))
+
+    def remember_digest(self, rank: int, event_id: int, digest: int) -> None:
+        seen = self.recent.get(rank)
         if seen is None:
-            seen = self.recent[ev.dp_rank] = {}
-        seen[ev.event_id] = event_digest(ev)
+            seen = self.recent[rank] = {}
+        seen[event_id] = digest
         if len(seen) > RECENT_IDS:
             del seen[next(iter(seen))]  # ids only grow: the first is the oldest
 
@@ -365,10 +392,11 @@ class LogFold:
         applied = 0
         rejected: list[str] = []
         apply = index.apply_packed
-        last_digest = log.last_digest
-        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
+        remember = log.remember_digest
+        epoch = log.epoch
+        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, _) in enumerate(events):
             last_ids[rank] = eid
-            last_digest[rank] = digest  # hash() of the model event, as the general path keeps
+            remember(rank, eid, packed_digest(kind, rank, tier, epoch, eid, parent, value, blocks_at, tokens_at, n))
             reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, value, blocks_at, tokens_at, n)
             if reason is None:
                 applied += 1
