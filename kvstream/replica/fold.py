@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
@@ -99,6 +100,11 @@ FOLD_HOLD_S = 0.001
 _T = TypeVar("_T")
 # Kind codes of the codec's packed events.
 _STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, Cleared))
+
+
+def log_time(ms: int) -> str:
+    """A log timestamp (ms) as ISO 8601 UTC, for messages."""
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def fold_in_slices(
@@ -534,7 +540,9 @@ class LogFold:
             self._bound[partition] -= 1
             self.dirty.add(wid)
             if self.router.index.knows(wid):
-                self.router.remove_worker(wid)
+                self.router.remove_worker(
+                    wid, f"was displaced at {log_time(seen)} (it had stored nothing; partition {partition} was full)"
+                )
             self.counters[DISPLACED] += 1
             return True
         return False
@@ -573,7 +581,9 @@ class LogFold:
             self._bound[partition] -= 1
             self.dirty.add(wid)
             if self.router.index.knows(wid):
-                self.router.remove_worker(wid)
+                self.router.remove_worker(
+                    wid, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)"
+                )
             if self._on_expired is not None:
                 self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1
