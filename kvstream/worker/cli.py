@@ -18,7 +18,8 @@ from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
-from kvstream.worker.errors import BridgeStateError, EngineBridgeError, PublisherError
+from kvstream.worker.errors import BridgeStateError, EngineBridgeError, PublisherError, RegistryTopicError
+from kvstream.worker.incarnation import Incarnation, live_incarnation
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
 from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, Flavour
@@ -83,6 +84,11 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 )
 @click.option("--lora", "loras", multiple=True, help="A LoRA adapter name the engine serves; repeat for each.")
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
+@click.option(
+    "--take-over", is_flag=True,
+    help="Start even if another live process publishes as this --worker-id (it is refused "
+    "otherwise): this one replaces it in the routers; stop the other one.",
+)
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
 @click.option("--mode", type=click.Choice([m.value for m in Mode]), help="[settings: worker.mode, default dedup]")
@@ -118,6 +124,7 @@ def worker(
     models: tuple[str, ...],
     loras: tuple[str, ...],
     worker_id: int,
+    take_over: bool,
     bootstrap: str | None,
     config: str | None,
     mode: str | None,
@@ -186,6 +193,7 @@ def worker(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    _check_worker_id(settings, worker_id, take_over)
     bridge_options: BridgeOptions | None = None
     if engine != "synthetic":
         try:
@@ -263,6 +271,26 @@ def _run_engine(
         )
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")
+
+
+def _check_worker_id(settings: Settings, worker_id: int, take_over: bool) -> None:
+    """Refuse to start beside a live process with this worker id, unless told to take over."""
+    def waiting(last: Incarnation) -> None:
+        log.info("worker_id_recently_used", detail=last.describe(), waiting_up_to_ms=last.lease_ms)
+
+    try:
+        other = live_incarnation(settings, worker_id, waiting)
+    except RegistryTopicError as exc:
+        raise click.ClickException(str(exc)) from None
+    if other is None:
+        return
+    if take_over:
+        log.warning("worker_taking_over", detail=other.describe())
+        return
+    raise click.ClickException(
+        f"another process publishes as {other.describe()}; stop it, give this one another --worker-id, "
+        "or pass --take-over to replace it"
+    )
 
 
 @dataclass(frozen=True, slots=True)
