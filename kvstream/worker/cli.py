@@ -193,7 +193,6 @@ def worker(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    _check_worker_id(settings, worker_id, take_over)
     bridge_options: BridgeOptions | None = None
     if engine != "synthetic":
         try:
@@ -209,6 +208,7 @@ def worker(
             )
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
+    _check_worker_id(settings, worker_id, take_over)
     stop = threading.Event()
     interrupted = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -280,8 +280,8 @@ def _check_worker_id(settings: Settings, worker_id: int, take_over: bool) -> Non
 
     try:
         other = live_incarnation(settings, worker_id, waiting)
-    except RegistryTopicError as exc:
-        raise click.ClickException(str(exc)) from None
+    except (RegistryTopicError, KafkaConfigError) as exc:
+        raise click.ClickException(f"cannot start the worker: {exc}") from None
     if other is None:
         return
     if take_over:
