@@ -42,7 +42,8 @@ def broker_start(brokers: str, cluster_dir: Path | None) -> None:
     try:
         running = local_broker.local_bootstrap(cluster_dir)
         if running is not None:
-            click.echo(f"already running (its log kept), data in {cluster_dir or local_broker.default_cluster_dir()}", err=True)
+            where = cluster_dir or local_broker.default_cluster_dir()
+            click.echo(f"already running (its log kept), data in {where}", err=True)
             click.echo(running)
             return
         click.echo(

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch
@@ -109,7 +109,7 @@ _STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, 
 
 def log_time(ms: int) -> str:
     """A log timestamp (ms) as ISO 8601 UTC, for messages."""
-    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def fold_in_slices(

@@ -18,7 +18,12 @@ from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
-from kvstream.worker.errors import BridgeStateError, EngineBridgeError, PublisherError, RegistryTopicError
+from kvstream.worker.errors import (
+    BridgeStateError,
+    EngineBridgeError,
+    PublisherError,
+    RegistryTopicError,
+)
 from kvstream.worker.incarnation import Incarnation, live_incarnation
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull

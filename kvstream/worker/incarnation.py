@@ -17,7 +17,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.errors import DecodeError

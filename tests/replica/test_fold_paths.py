@@ -73,7 +73,10 @@ def logs(draw: st.DrawFn) -> list[tuple[int, int, bytes | None, bytes | None, bo
 def state(fold: LogFold) -> Any:
     index = fold.router.index
     workers = {
-        w: (log.partition, log.epoch, log.lease_ms, log.last_seen_ms, dict(log.last_ids), {r: dict(d) for r, d in log.recent.items()})
+        w: (
+            log.partition, log.epoch, log.lease_ms, log.last_seen_ms, dict(log.last_ids),
+            {r: dict(d) for r, d in log.recent.items()},
+        )
         for w, log in fold.workers.items()
     }
     blocks = {
