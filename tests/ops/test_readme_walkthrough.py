@@ -88,6 +88,8 @@ def test_the_readme_walkthrough_shows_a_cache_hit(tmp_path):
     assert second[1] == second[2], out
     assert second[3] - second[2] < 16, out
     holder = second[0]
+    indexed = re.search(r"^the router indexed its blocks (\d+) ms after the answer$", out, re.MULTILINE)
+    assert indexed and int(indexed[1]) < 30_000, out
 
     workers = section(out, "/v1/workers")["workers"]
     assert set(workers) == {"1", "2"}, workers
