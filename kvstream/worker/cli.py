@@ -280,8 +280,8 @@ def _run_engine(
 
 def _check_worker_id(settings: Settings, worker_id: int, take_over: bool) -> None:
     """Refuse to start beside a live process with this worker id, unless told to take over."""
-    def waiting(last: Incarnation) -> None:
-        log.info("worker_id_recently_used", detail=last.describe(), waiting_up_to_ms=last.lease_ms)
+    def waiting(last: Incarnation, wait_s: float) -> None:
+        log.info("worker_id_recently_used", detail=last.describe(), waiting_s=round(wait_s, 1))
 
     try:
         other = live_incarnation(settings, worker_id, waiting)

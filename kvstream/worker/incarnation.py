@@ -4,11 +4,14 @@ routers, in turn).
 
 Live means: the id's last record on ``kvstream.workers`` is not a tombstone (a cleanly
 stopped worker writes one), its newest record on ``kvstream.events`` is within its own
-lease of now, and another one follows it (a live worker sends a batch or a heartbeat at
-least once per lease): a worker restarted at once after a crash waits, at most one
-lease, to see its old incarnation stay silent, instead of being refused. Only the id's
-own partition is read, back to the longest lease a batch may carry, so the look-up
-costs one partition's last seconds whatever the log's size.
+lease of now, and another one follows it within two heartbeat intervals (this worker's
+``heartbeat_s``: a fleet shares its settings; an idle worker sends a heartbeat that
+often): a worker restarted at once after a crash waits a few seconds to see its old
+incarnation stay silent, instead of being refused. One whose heartbeats are further
+apart than that can go unseen here, and is then reported by the replicas as a clash
+(kvstream.replica.fold.Clash). Only the id's own partition is read, back to the longest
+lease a batch may carry, so the look-up costs one partition's last seconds whatever the
+log's size.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from kvstream.worker.errors import RegistryTopicError
 
 #: How far back the events partition is read when the settings bound no lease (ms).
 DEFAULT_LOOKBACK_MS = 60_000
+#: Added to two heartbeat intervals for a record's way through Kafka (s).
+HEARTBEAT_SLACK_S = 1.0
 _CODEC = EventCodec()
 
 
@@ -86,11 +91,11 @@ def kafka_partition(key: bytes, partitions: int) -> int:
 def live_incarnation(
     settings: Settings,
     worker_id: int,
-    on_wait: Callable[[Incarnation], None] = lambda _: None,
+    on_wait: Callable[[Incarnation, float], None] = lambda _, __: None,
     timeout_s: float = 30.0,
 ) -> Incarnation | None:
     """The live process publishing as ``worker_id``, or None; ``on_wait`` is told of an
-    incarnation heard within its lease before waiting to hear it again.
+    incarnation heard within its lease, and how long (s) we wait to hear it again.
     RegistryTopicError when Kafka cannot be read."""
     key = worker_key(worker_id)
     consumer = Consumer(consumer_config(settings, **{"enable.partition.eof": True}))
@@ -104,9 +109,12 @@ def live_incarnation(
         (epoch, lease_ms, ts), tp = found
         if ts + lease_ms < time.time() * 1000:
             return None
-        on_wait(Incarnation(worker_id, epoch, ts, lease_ms, reg))
-        # Up to the end of its lease: a live process publishes again by then.
-        until = time.monotonic() + max(0.0, (ts + lease_ms) / 1000 - time.time()) + 0.5
+        # Until the end of its lease or two heartbeats after its newest record, whichever
+        # comes first: a live process publishes again by then.
+        quiet_s = min(lease_ms / 1000, 2 * settings.worker.heartbeat_s + HEARTBEAT_SLACK_S)
+        wait_s = max(0.0, ts / 1000 + quiet_s - time.time())
+        on_wait(Incarnation(worker_id, epoch, ts, lease_ms, reg), wait_s)
+        until = time.monotonic() + wait_s
         for msg in _follow(consumer, tp, until):
             if msg.key() == key and msg.timestamp()[1] > ts and (batch := _decode(msg)) is not None:
                 return Incarnation(worker_id, batch.epoch, msg.timestamp()[1], batch.lease_ms, reg)
