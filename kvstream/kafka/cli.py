@@ -27,16 +27,30 @@ def broker() -> None:
     """The local development Kafka (KRaft, loopback only; ops/kafka/broker.sh)."""
 
 
-@broker.command("start")
+#: What a restart of the local cluster costs, said by ``start`` and ``stop``.
+_FRESH = (
+    "every start is a fresh cluster: the log of the previous one in this folder is wiped and the "
+    "port is new, so replicas and workers need the new bootstrap (and a replica's snapshots "
+    "no longer match the log)"
+)
+
+
+@broker.command("start", help=f"Start the cluster and print its bootstrap servers; {_FRESH}.")
 @click.option("--brokers", type=click.Choice(["1", "3"]), default="1", show_default=True)
 @_dir_option
 def broker_start(brokers: str, cluster_dir: Path | None) -> None:
-    """Start a fresh cluster and print its bootstrap servers."""
-    click.echo(
-        f"starting {brokers} broker(s); the first start also downloads Kafka ...", err=True
-    )
-    t0 = time.monotonic()
     try:
+        running = local_broker.local_bootstrap(cluster_dir)
+        if running is not None:
+            where = cluster_dir or local_broker.default_cluster_dir()
+            click.echo(f"already running (its log kept), data in {where}", err=True)
+            click.echo(running)
+            return
+        click.echo(
+            f"starting {brokers} broker(s) with an empty log on new ports (the first start also downloads Kafka) ...",
+            err=True,
+        )
+        t0 = time.monotonic()
         cluster = local_broker.start_local_cluster(int(brokers), cluster_dir)
     except KafkaSetupError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -44,14 +58,16 @@ def broker_start(brokers: str, cluster_dir: Path | None) -> None:
     click.echo(cluster.bootstrap)
 
 
-@broker.command("stop")
+@broker.command("stop", help=f"Stop every broker of the cluster and wait until they are gone; {_FRESH}.")
 @_dir_option
 def broker_stop(cluster_dir: Path | None) -> None:
-    """Stop every broker of the cluster and wait until they are gone."""
     try:
         local_broker.stop_local_cluster(cluster_dir)
     except KafkaSetupError as exc:
         raise click.ClickException(str(exc)) from exc
+    click.echo(
+        "stopped; the next `kvstream broker start` wipes this cluster's log and serves on a new port", err=True
+    )
 
 
 @broker.command("status")

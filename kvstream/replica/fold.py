@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch, event_digest
@@ -48,7 +49,6 @@ from kvstream.events.model import (
     Removed,
     RouterEvent,
     Stored,
-    Tier,
 )
 from kvstream.logs import get_logger
 from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
@@ -74,6 +74,11 @@ WRONG_PARTITION = "batch_wrong_partition"
 #: An event id that the worker already used, with other content: another producer took
 #: the id (or the worker restarted without a new epoch); the worker is asked to resync.
 ID_CONFLICT = "event_id_conflict"
+#: A stale batch stamped after the incarnation that replaced it began: two processes
+#: publish as one worker id (a worker started twice), not a late batch of a dead one.
+WORKER_CLASH = "worker_id_clash"
+#: Log time without a clash after which the next one is a new episode (logged again).
+CLASH_QUIET_MS = 60_000
 #: A worker that had stored no block, removed to make room on a full partition.
 DISPLACED = "worker_displaced"
 #: The fold itself failed on a record (a bug). Deterministic like the rest, so every
@@ -97,6 +102,11 @@ FOLD_HOLD_S = 0.001
 _T = TypeVar("_T")
 # Kind codes of the codec's packed events.
 _STORED, _REMOVED, _CLEARED = (PACKED_KINDS.index(k) for k in (Stored, Removed, Cleared))
+
+
+def log_time(ms: int) -> str:
+    """A log timestamp (ms) as ISO 8601 UTC, for messages."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def fold_in_slices(
@@ -129,6 +139,7 @@ def fold_in_slices(
 
 #: Event ids per (worker, rank) whose digests the fold keeps (kvstream.replica.fold.WorkerLog).
 RECENT_IDS = 32
+
 
 @dataclass(slots=True)
 class WorkerLog:
@@ -170,6 +181,25 @@ class WorkerLog:
         """Whether this incarnation is greater than (epoch, partition): a higher epoch,
         or the same epoch on a lower partition."""
         return (self.epoch, -self.partition) > (epoch, -partition)
+
+
+@dataclass(slots=True)
+class Clash:
+    """Two live incarnations of one worker id, as the log shows them (not in snapshots:
+    a report, not state)."""
+
+    #: The incarnation the log holds, and the older one still publishing beside it.
+    held_epoch: int
+    stale_epoch: int
+    #: Log time (ms) of the last stale batch, and how many came after the held one began.
+    last_ms: int
+    batches: int = 1
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "held_epoch": self.held_epoch, "stale_epoch": self.stale_epoch, "last_at": log_time(self.last_ms),
+            "batches": self.batches,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +259,10 @@ class LogFold:
         #: Per partition, an upper bound of the blocks its workers hold (stores added,
         #: nothing taken off): counted exactly only when the budget would reject a store.
         self._partition_held: dict[int, int] = {}
+        #: Log time (ms) at which each worker's current incarnation began (unknown for
+        #: one restored from a snapshot until it changes), and the clashes seen.
+        self._began: dict[int, int] = {}
+        self.clashes: dict[int, Clash] = {}
 
     # -- records ---------------------------------------------------------------------
 
@@ -388,7 +422,7 @@ class LogFold:
         resync: list[int] = []
         if log is not None and log.outranks(batch.epoch, partition):
             if batch.epoch < log.epoch:
-                return self._stale(wid, batch.epoch, log.epoch)
+                return self._stale(wid, batch.epoch, log.epoch, ts)
             self.counters[WRONG_PARTITION] += 1
             return Outcome(
                 dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {batch.epoch} is bound to partition "
@@ -410,6 +444,7 @@ class LogFold:
                 if log.partition != partition:
                     self._bound[log.partition] -= 1
             log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
+            self._began[wid] = ts
             heapq.heappush(self._blockless.setdefault(partition, []), (ts, wid))
             if batch.events and type(batch.events[0]) is not Cleared:
                 self.counters[NO_CLEARED] += 1
@@ -476,16 +511,36 @@ class LogFold:
             applied_events=applied,
         )
 
-    def _stale(self, wid: int, epoch: int, held: int) -> Outcome:
+    def _stale(self, wid: int, epoch: int, held: int, ts: int) -> Outcome:
         """A batch under an older epoch than the one the log accepted for its worker: a
         zombie of an old incarnation, or the live worker behind an epoch that someone
         forged ahead of it (a plausible one passes the authority). Either way the live
         worker must start an epoch above the held one: it is asked to resync (the
         request says which epoch to outrank; the replica rate-limits requests)."""
         self.counters[STALE_EPOCH] += 1
+        began = self._began.get(wid)
+        if began is not None and ts > began:
+            self._clash(wid, epoch, held, ts)
         return Outcome(
             dlq_reason=f"{STALE_EPOCH}: epoch {epoch} < {held} (the worker is asked to resync above it)",
             resync=(wid,),
+        )
+
+    def _clash(self, wid: int, epoch: int, held: int, ts: int) -> None:
+        """Record a stale batch stamped after its replacement began: the older process is
+        alive. Each then outranks the other in turn (the resync request names the epoch
+        to outrank), so the incarnations alternate: one clash, logged once per episode."""
+        self.counters[WORKER_CLASH] += 1
+        clash = self.clashes.get(wid)
+        if clash is not None and ts - clash.last_ms <= CLASH_QUIET_MS:
+            clash.held_epoch, clash.stale_epoch, clash.last_ms = held, epoch, ts
+            clash.batches += 1
+            return
+        self.clashes[wid] = Clash(held, epoch, ts)
+        _log.error(
+            "worker id clash: two processes publish as one worker",
+            worker_id=wid, held_epoch=held, stale_epoch=epoch, at=log_time(ts),
+            fix="stop one of them, or give it another --worker-id",
         )
 
     def _displace_blockless(self, partition: int) -> bool:
@@ -504,10 +559,13 @@ class LogFold:
                 heapq.heappush(heap, (log.last_seen_ms, wid))  # seen since it was pushed
                 continue
             del self.workers[wid]
+            self._began.pop(wid, None)
             self._bound[partition] -= 1
             self.dirty.add(wid)
             if self.router.index.knows(wid):
-                self.router.remove_worker(wid)
+                self.router.remove_worker(
+                    wid, f"was displaced at {log_time(seen)} (it had stored nothing; partition {partition} was full)"
+                )
             self.counters[DISPLACED] += 1
             return True
         return False
@@ -547,10 +605,13 @@ class LogFold:
                 heapq.heappush(heap, (deadline, wid))  # renewed since it was pushed
                 continue
             del self.workers[wid]
+            self._began.pop(wid, None)
             self._bound[partition] -= 1
             self.dirty.add(wid)
             if self.router.index.knows(wid):
-                self.router.remove_worker(wid)
+                self.router.remove_worker(
+                    wid, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)"
+                )
             if self._on_expired is not None:
                 self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1

@@ -727,6 +727,9 @@ class Replica:
                 )
             for wid, reg in self.registry.registrations().items():
                 out.setdefault(str(wid), {"ranks": {}})["registration"] = reg.view()
+            for wid, clash in self.fold.clashes.items():
+                # Two processes publishing as this worker id (kvstream.replica.fold.Clash).
+                out.setdefault(str(wid), {"ranks": {}})["clash"] = clash.view()
         return {"replica_id": self.replica_id, "ready": self.ready, "stale": self.staleness(), "workers": out}
 
     # -- worker registry -------------------------------------------------------------

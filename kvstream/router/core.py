@@ -152,7 +152,7 @@ def decide(
         slots = index._keys  # noqa: SLF001 (per slot: its key, or None)
         keys = index.workers()
         if not keys:
-            raise NoEligibleWorkerError("no workers known: none has published any event")
+            raise NoEligibleWorkerError("no workers known: none has published an event within its lease")
     else:
         slots = index.candidate_slots(candidates)
         keys = [k for k in slots if k is not None]

@@ -84,6 +84,10 @@ class RouteDecision:
         return dict(zip(self.schedule.candidates.workers, self.schedule.columns.logit.tolist()))
 
 
+#: Departed workers a router remembers (the latest ones).
+DEPARTED_KEPT = 8
+
+
 class Router:
     """KV-aware router over the workers that published events to it."""
 
@@ -103,6 +107,9 @@ class Router:
             else ActiveSequences(self.config.request_ttl_s, clock)
         )
         self.scheduler = Scheduler(self.config.scheduler, rng)
+        #: Why the last workers that were removed left (worker id → what happened), so
+        #: that a router with none left says what became of them.
+        self.departed: dict[int, str] = {}
 
     # -- state from the log ----------------------------------------------------------
 
@@ -123,12 +130,25 @@ class Router:
     def active_requests(self) -> int:
         return len(self.active)
 
-    def remove_worker(self, worker_id: int) -> list[WorkerKey]:
-        """Forget a worker: its blocks on every tier and rank, and its active requests."""
+    def remove_worker(self, worker_id: int, why: str | None = None) -> list[WorkerKey]:
+        """Forget a worker: its blocks on every tier and rank, and its active requests.
+        ``why`` (e.g. "expired at …") is what a route says of it once no worker is left."""
         if not self.index.knows(worker_id):
             raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
         self.drop_requests(worker_id)
+        if why is not None:
+            self.departed.pop(worker_id, None)
+            self.departed[worker_id] = why
+            while len(self.departed) > DEPARTED_KEPT:
+                del self.departed[next(iter(self.departed))]
         return self.index.remove_worker(worker_id)
+
+    def no_workers(self) -> NoEligibleWorkerError:
+        """The error of a route with no worker known, saying what became of the last ones."""
+        gone = [f"worker {wid} {why}" for wid, why in self.departed.items() if not self.index.knows(wid)]
+        if not gone:
+            return NoEligibleWorkerError("no workers known: none has published an event within its lease")
+        return NoEligibleWorkerError("no workers known: " + "; ".join(reversed(gone)))
 
     def drop_requests(self, worker_id: int) -> list[str]:
         """Forget a removed worker's active requests (its load went with it); returns
@@ -157,6 +177,8 @@ class Router:
         not (a registered worker that has published nothing yet competes with no
         overlap); None: every worker the index knows."""
         track = request_id is not None and not query_only
+        if candidates is None and not self.index.workers():
+            raise self.no_workers()
         # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
         # stays in Python, over the same load (CoreActiveSequences has its interface).
         # The core hashes plain and LoRA prompts only: a salt or multimodal spans change

@@ -346,7 +346,7 @@ class Scheduler:
         """
         cfg = self.config.with_overrides(overrides)
         if not len(candidates):
-            raise NoEligibleWorkerError("no workers known: none has published any event")
+            raise NoEligibleWorkerError("no workers known: none has published an event within its lease")
         if not isinstance(candidates, Candidates):
             candidates = Candidates.from_rows(candidates)
         columns = worker_logits(cfg, isl, block_size, candidates)

@@ -18,7 +18,13 @@ from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
-from kvstream.worker.errors import BridgeStateError, EngineBridgeError, PublisherError
+from kvstream.worker.errors import (
+    BridgeStateError,
+    EngineBridgeError,
+    PublisherError,
+    RegistryTopicError,
+)
+from kvstream.worker.incarnation import Incarnation, live_incarnation
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
 from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, Flavour
@@ -83,6 +89,11 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 )
 @click.option("--lora", "loras", multiple=True, help="A LoRA adapter name the engine serves; repeat for each.")
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
+@click.option(
+    "--take-over", is_flag=True,
+    help="Start even if another live process publishes as this --worker-id (it is refused "
+    "otherwise): this one replaces it in the routers; stop the other one.",
+)
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
 @click.option("--mode", type=click.Choice([m.value for m in Mode]), help="[settings: worker.mode, default dedup]")
@@ -91,7 +102,10 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 @click.option("--linger-ms", type=click.FloatRange(0), help="[settings: worker.linger_ms, default 5]")
 @click.option("--queue-full", type=click.Choice([q.value for q in QueueFull]), help="[settings: worker.queue_full, default block]")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="Prometheus port; 0: none. [settings: worker.metrics_port]")
-@click.option("--metrics-addr", default="0.0.0.0", show_default=True)
+@click.option(
+    "--metrics-addr", default="127.0.0.1", show_default=True,
+    help="Address the Prometheus endpoint binds (0.0.0.0: every interface).",
+)
 @click.option("--prompts", default=0, show_default=True, type=click.IntRange(0), help="synthetic: prompts to run; 0: until stopped.")
 @click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(0.01), help="synthetic: prompts per second.")
 @click.option("--seed", default=0, show_default=True, help="synthetic: workload seed.")
@@ -115,6 +129,7 @@ def worker(
     models: tuple[str, ...],
     loras: tuple[str, ...],
     worker_id: int,
+    take_over: bool,
     bootstrap: str | None,
     config: str | None,
     mode: str | None,
@@ -183,29 +198,49 @@ def worker(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    bridge_options: BridgeOptions | None = None
+    if engine != "synthetic":
+        try:
+            bridge_options = BridgeOptions(
+                endpoints=tuple(
+                    Endpoint(ep, replay_endpoints[i] if replay_endpoints else None, dp_rank + i)
+                    for i, ep in enumerate(endpoints)
+                ),
+                topic=topic.encode(),
+                flavour=Flavour.AUTO if engine == "zmq" else Flavour(engine),
+                block_size=block_size or settings.router.block_size,
+                offload_blocks_per_chunk=ws.offload_blocks_per_chunk,
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    _check_worker_id(settings, worker_id, take_over)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    if engine == "synthetic":
+    interrupted = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: (interrupted.set(), stop.set()))
+    if bridge_options is None:
         _run_synthetic(
             settings, options, Mode(ws.mode), stop, metrics_addr,
             SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir, disk_min_seen),
             serves,
         )
-        return
-    try:
-        bridge_options = BridgeOptions(
-            endpoints=tuple(
-                Endpoint(ep, replay_endpoints[i] if replay_endpoints else None, dp_rank + i)
-                for i, ep in enumerate(endpoints)
-            ),
-            topic=topic.encode(),
-            flavour=Flavour.AUTO if engine == "zmq" else Flavour(engine),
-            block_size=block_size or settings.router.block_size,
-            offload_blocks_per_chunk=ws.offload_blocks_per_chunk,
-        )
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    else:
+        _run_engine(settings, options, bridge_options, stop, metrics_addr, serves, engine)
+    if interrupted.is_set():
+        # After the clean stop, Ctrl-C ends the command as every kvstream command does (130).
+        raise KeyboardInterrupt
+
+
+def _run_engine(
+    settings: Settings,
+    options: PublisherOptions,
+    bridge_options: BridgeOptions,
+    stop: threading.Event,
+    metrics_addr: str,
+    serves: Serves,
+    engine: str,
+) -> None:
+    ws = settings.worker
     node_options = EngineNodeOptions(
         options, bridge_options, Mode(ws.mode), Path(ws.state_dir) if ws.state_dir else None, ws.checkpoint_s
     )
@@ -214,6 +249,7 @@ def worker(
     except (PublisherError, KafkaConfigError, BridgeStateError) as exc:
         raise click.ClickException(f"cannot start the worker: {exc}") from None
     left = 0
+    clean = False
     announcer: WorkerAnnouncer | None = None
     try:
         node.start()
@@ -224,18 +260,42 @@ def worker(
         if ws.metrics_port:
             serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
         log.info(
-            "worker_started", worker_id=worker_id, epoch=node.publisher.epoch, endpoints=list(endpoints),
-            engine=engine, mode=ws.mode,
+            "worker_started", worker_id=options.worker_id, epoch=node.publisher.epoch,
+            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode,
         )
         node.run(stop)
+        clean = True
     except (PublisherError, EngineBridgeError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         _withdraw(announcer)
-        left = node.close()
-        log.info("worker_stopped", worker_id=worker_id, batches=node.publisher.stats.batches, undelivered=left)
+        left = node.close(withdraw=clean)
+        log.info(
+            "worker_stopped", worker_id=options.worker_id, batches=node.publisher.stats.batches, undelivered=left,
+            withdrawn=clean and ws.state_dir is None,
+        )
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")
+
+
+def _check_worker_id(settings: Settings, worker_id: int, take_over: bool) -> None:
+    """Refuse to start beside a live process with this worker id, unless told to take over."""
+    def waiting(last: Incarnation, wait_s: float) -> None:
+        log.info("worker_id_recently_used", detail=last.describe(), waiting_s=round(wait_s, 1))
+
+    try:
+        other = live_incarnation(settings, worker_id, waiting)
+    except (RegistryTopicError, KafkaConfigError) as exc:
+        raise click.ClickException(f"cannot start the worker: {exc}") from None
+    if other is None:
+        return
+    if take_over:
+        log.warning("worker_taking_over", detail=other.describe())
+        return
+    raise click.ClickException(
+        f"another process publishes as {other.describe()}; stop it, give this one another --worker-id, "
+        "or pass --take-over to replace it"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +387,7 @@ def _run_synthetic(
     period = 1.0 / run.rate
     next_at = time.monotonic()
     done = 0
+    clean = False
     try:
         for tokens in workload:
             if stop.is_set():
@@ -337,11 +398,12 @@ def _run_synthetic(
             while not stop.is_set() and (wait := next_at - time.monotonic()) > 0:
                 node.poll()
                 stop.wait(min(wait, options.linger_ms / 1000))
+        clean = True
     except PublisherError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         _withdraw(announcer)
-        left = node.close()
-        log.info("worker_stopped", worker_id=options.worker_id, prompts=done, undelivered=left)
+        left = node.close(withdraw=clean)
+        log.info("worker_stopped", worker_id=options.worker_id, prompts=done, undelivered=left, withdrawn=clean)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")

@@ -155,11 +155,17 @@ class EngineNode:
         """What a checkpoint depends on: engine messages taken, epochs started."""
         return self.bridge.stats.messages, sum(self.bridge.issues.values()), self.publisher.stats.resyncs
 
-    def close(self) -> int:
+    def close(self, withdraw: bool = False) -> int:
         """Stop listening, flush, save a clean checkpoint, release everything; returns
-        the batches left unacknowledged (then the checkpoint is not clean)."""
+        the batches left unacknowledged (then the checkpoint is not clean).
+
+        ``withdraw``: publish that the worker holds nothing any more (a clean stop), but
+        only without a state store: with one, the bridge comes back as the same
+        incarnation, whose blocks the routers must still hold."""
         self.bridge.close()
         try:
+            if withdraw and self._store is None:
+                self.publisher.withdraw()
             if self._store is not None:
                 try:
                     self.checkpoint(clean=True)

@@ -77,11 +77,14 @@ class SyntheticNode:
         with self.worker.pool.locked():
             self.publisher.poll(self.consolidator)
 
-    def close(self) -> int:
-        """Finish offloads, close the pool, flush; returns batches left unacknowledged."""
+    def close(self, withdraw: bool = False) -> int:
+        """Finish offloads, close the pool, (``withdraw``: publish that the worker holds
+        nothing any more,) flush; returns batches left unacknowledged."""
         try:
             self.worker.close(drain=True)
             self.poll()
+            if withdraw:
+                self.publisher.withdraw()
         finally:
             left = self.publisher.close()
         return left

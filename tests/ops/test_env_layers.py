@@ -40,8 +40,8 @@ def test_two_clones_each_run_their_own_code(tmp_path: Path) -> None:
         # Each clone's own code says which clone it is: a command only it has.
         (clone / "kvstream" / "cli.py").write_text(
             (clone / "kvstream" / "cli.py").read_text().replace(
-                '"hash": "kvstream.tools.hash_cmd:hash_cmd",',
-                f'"hash": "kvstream.tools.hash_cmd:hash_cmd",\n    "checkout-marker": "no.such.module{clone.name}:x",',
+                '    "hash": (',
+                f'    "checkout-marker": ("no.such.module{clone.name}:x", "marker"),\n    "hash": (',
             )
         )
     for clone in clones:

@@ -1,0 +1,117 @@
+"""The README's walkthrough is a test (issue 26): the block between its
+``<!-- walkthrough`` and ``<!-- /walkthrough -->`` markers runs as a bash script, on free
+ports and a broker folder of its own, and what it prints must show the point of the
+product: the second of two identical prompts is a cache hit (the router's prediction and
+the engine's own count), on the worker that /v1/workers says holds the blocks, which is
+the worker /v1/route explains it would choose. It must also leave nothing running."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSWER = re.compile(
+    r"^(first|second): worker (\d+), router predicted (\d+) cached tokens, engine cached (\d+) of (\d+)$", re.MULTILINE
+)
+
+
+def walkthrough() -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"<!-- walkthrough\b[^>]*-->\n```bash\n(.*?)```\n<!-- /walkthrough -->", text, re.DOTALL)
+    assert len(blocks) == 1, "the README must mark exactly one walkthrough block"
+    return blocks[0]
+
+
+def free_ports(n: int, step: int = 3) -> list[int]:
+    """``n`` base ports, each with the ``step`` - 1 ports above it free too, below the
+    kernel's ephemeral range (where any outgoing connection could take one meanwhile)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    out: list[int] = []
+    while len(out) < n:
+        base = rng.randrange(10_000, low - step)
+        if any(abs(base - o) < step for o in out):
+            continue
+        try:
+            for p in range(base, base + step):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        out.append(base)
+    return out
+
+
+def section(out: str, name: str) -> dict:
+    start = out.index(f"== {name}\n") + len(f"== {name}\n")
+    return json.JSONDecoder().raw_decode(out[start:])[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_readme_walkthrough_shows_a_cache_hit(tmp_path):
+    pytest.importorskip("openai")
+    router, engine, kv, replay = free_ports(4)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "ROUTER_PORT": str(router), "ENGINE_PORT": str(engine), "KV_PORT": str(kv), "REPLAY_PORT": str(replay),
+        "TMPDIR": str(tmp_path),
+    }
+    for name in [k for k in env if k.startswith("KVSTREAM_")]:
+        del env[name]  # the walkthrough's own settings only
+    script = tmp_path / "walkthrough.sh"
+    script.write_text(walkthrough())
+    proc = subprocess.run(
+        ["bash", str(script)], check=False, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=540,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    answers = {m[0]: tuple(int(x) for x in m[1:]) for m in ANSWER.findall(out)}
+    assert set(answers) == {"first", "second"}, out
+    first, second = answers["first"], answers["second"]
+    # The first is computed; the second goes to the same worker and hits its cache:
+    # predicted by the router and counted by the engine itself, a whole-block prefix.
+    assert first[1] == first[2] == 0, out
+    assert second[0] == first[0], out
+    assert second[2] > 0 and second[2] % 16 == 0, out
+    assert second[1] == second[2], out
+    assert second[3] - second[2] < 16, out
+    holder = second[0]
+    indexed = re.search(r"^the router indexed its blocks (\d+) ms after the answer$", out, re.MULTILINE)
+    assert indexed and int(indexed[1]) < 30_000, out
+
+    workers = section(out, "/v1/workers")["workers"]
+    assert set(workers) == {"1", "2"}, workers
+    held = workers[str(holder)]
+    assert held["ranks"]["0"]["device"] >= second[2] // 16, held
+    assert held["registration"]["routable"] and held["registration"]["url"].endswith(f":{engine + holder}")
+    assert held["registration"]["models"] == ["demo-model"]
+    other = workers[str(3 - holder)]
+    assert other["ranks"].get("0", {}).get("device", 0) == 0, other
+
+    route = section(out, "/v1/route")
+    assert route["worker_id"] == holder
+    assert route["overlap"]["device"] == second[2] // 16
+    assert route["cached_tokens"] == second[2]
+    by_worker = {c["worker_id"]: c["overlap"]["device"] for c in route["candidates"]}
+    assert by_worker == {holder: second[2] // 16, 3 - holder: 0}, route["candidates"]
+
+    # Cleaned up: the broker is stopped, its folder gone, nothing listens on the ports
+    # (SO_REUSEADDR: connections the servers closed may linger in TIME_WAIT, harmlessly).
+    assert "stopped; the next `kvstream broker start` wipes" in out
+    assert not any(tmp_path.glob("tmp.*")), list(tmp_path.iterdir())
+    for port in (router, engine + 1, engine + 2, kv + 1, kv + 2, replay + 1, replay + 2):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
