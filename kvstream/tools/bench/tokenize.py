@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -125,7 +126,8 @@ def _conversation(rng: random.Random, tokenizer, target_tokens: int) -> list[dic
 @json_option
 def tokenize_bench(sizes: tuple[int, ...], tokenizer_path: Path | None, repeat: int, seed: int, as_json: bool) -> None:
     """Tokenization of a long multi-turn chat request, fresh vs through the prefix cache."""
-    from kvstream.gateway.tokenize import LocalTokenizer, ModelTokenizerConfig
+    from kvstream.gateway.options import ModelTokenizerConfig
+    from kvstream.gateway.tokenize import LocalTokenizer
 
     if tokenizer_path is None:
         try:
@@ -143,7 +145,7 @@ def tokenize_bench(sizes: tuple[int, ...], tokenizer_path: Path | None, repeat: 
                 "chat_template": BENCH_TEMPLATE,
             }), encoding="utf-8")
         cfg = ModelTokenizerConfig(name="bench", tokenizer=model)
-        fresh = LocalTokenizer.from_config(cfg.model_copy(update={"prefix_cache_bytes": 0}))
+        fresh = LocalTokenizer.from_config(replace(cfg, prefix_cache_bytes=0))
         cached = LocalTokenizer.from_config(cfg)
     rng = random.Random(seed)
     result: dict[str, object] = {"bench": "tokenize", "tokenizer": str(tokenizer_path), "repeat": repeat}
