@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
+from typing import Any
 
 import aiohttp
 import anyio
@@ -79,6 +79,8 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._created = int(time.time())
+        self._serving_of: Sequence[WorkerEndpoint] | None = None
+        self._serving_by_model: dict[str, tuple[WorkerEndpoint, ...]] = {}
 
     # -- running -------------------------------------------------------------------------
 
@@ -115,10 +117,15 @@ class Gateway:
         return self._limiter
 
     def mount(self, app: Starlette, tokens: Tokens) -> None:
-        """Add the endpoints to ``app``; they accept the client scope of ``tokens``."""
+        """Add the endpoints to ``app``; they accept the client scope of ``tokens``.
+        Mount it before the app's body limits (``add_middleware`` nests the later one
+        outside): the POST endpoints are served by :class:`GatewayRoutes` inside them."""
         self.tokens = tokens
+        app.add_middleware(GatewayRoutes, gateway=self)
         for endpoint in Endpoint:
-            app.router.add_route(endpoint.value, partial(self.serve, endpoint), methods=["POST"], include_in_schema=False)
+            # What a POST never reaches (GatewayRoutes serves it): the app's 405 for
+            # other methods.
+            app.router.add_route(endpoint.value, _Served(self, endpoint), methods=["POST"], include_in_schema=False)
         app.router.add_route("/v1/models", self.models, methods=["GET"], include_in_schema=False)
         app.router.add_route("/v1/models/{model:path}", self.models, methods=["GET"], include_in_schema=False)
 
@@ -149,21 +156,37 @@ class Gateway:
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    async def serve(self, endpoint: Endpoint, request: Request) -> Response | Exchange:
+    async def serve(self, endpoint: Endpoint, scope: dict, receive: Any, send: Any) -> None:
+        """One request of ``endpoint``, as a plain ASGI app: Starlette's Request and
+        FastAPI's machinery cost as much as the relay itself."""
+        answer = await self._answer(endpoint, scope, receive)
+        if answer is not None:
+            await answer(scope, receive, send)
+
+    async def _answer(self, endpoint: Endpoint, scope: dict, receive: Any) -> Response | Exchange | None:
+        """The request's answer (None: the client left before its body was whole)."""
         started = time.perf_counter()
-        given = request.headers.get("x-request-id")
+        given = authorization = None
+        for k, v in scope["headers"]:  # the first of each, as Starlette's headers.get
+            if k == b"x-request-id":
+                given = v.decode("latin-1") if given is None else given
+            elif k == b"authorization":
+                authorization = v.decode("latin-1") if authorization is None else authorization
         request_id = given if given is not None and request_ids.is_safe(given) else secrets.token_hex(12)
         known = ""  # the model label: only names the directory knows
         try:
-            if not self.tokens.allows(request.headers.get("authorization", ""), (Scope.CLIENT,)):
+            if not self.tokens.allows(authorization or "", (Scope.CLIENT,)):
                 raise unauthorized("missing or wrong bearer token (the replica's client token is the api key)")
             await self._admit()
         except ApiError as exc:
             return self._refuse(exc, endpoint, known, request_id)
         try:
-            raw = await request.body()
+            raw = await _body(receive)
+            if raw is None:
+                self._left()
+                return None
             req = parse(raw, endpoint)
-            endpoints = [ep for ep in self.directory.endpoints() if ep.serves(req.model)]
+            endpoints = self._serving(req.model)
             if not endpoints:
                 raise unknown_model(req.model)
             known = req.model
@@ -187,7 +210,18 @@ class Gateway:
             self._left()
             raise
         lora = req.model if any(req.model in ep.loras for ep in endpoints) else None
-        return Exchange(self, req, raw, request.scope["headers"], request_id, ids, lora, endpoints, started)
+        return Exchange(self, req, raw, scope["headers"], request_id, ids, lora, endpoints, started)
+
+    def _serving(self, model: str) -> Sequence[WorkerEndpoint]:
+        """The directory's workers serving ``model``, kept while the directory gives the
+        same sequence of workers (an unchanged registry)."""
+        workers = self.directory.endpoints()
+        if workers is not self._serving_of:
+            self._serving_of, self._serving_by_model = workers, {}
+        found = self._serving_by_model.get(model)
+        if found is None:
+            found = self._serving_by_model[model] = tuple(ep for ep in workers if ep.serves(model))
+        return found
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``, and ``/v1/models/{model}`` (404 for a name no worker serves)."""
@@ -281,3 +315,43 @@ class Gateway:
             prompt_tokens=prompt_tokens, ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             e2e_ms=round((end - ex.started) * 1000, 3), status=ex.status, outcome=ex.outcome,
         )
+
+
+async def _body(receive: Any) -> bytes | None:
+    """The request's body (None when the client left before it was whole)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _Served:
+    """``Gateway.serve`` of one endpoint as an ASGI app."""
+
+    __slots__ = ("endpoint", "gateway")
+
+    def __init__(self, gateway: Gateway, endpoint: Endpoint) -> None:
+        self.gateway, self.endpoint = gateway, endpoint
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.gateway.serve(self.endpoint, scope, receive, send)
+
+
+class GatewayRoutes:
+    """ASGI middleware: a POST to one of the gateway's endpoints is served here, before
+    the app's router and the middleware inside it (each of which wraps every chunk a
+    stream sends); anything else goes on to the app."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app = app
+        self.routes = {endpoint.value: _Served(gateway, endpoint) for endpoint in Endpoint}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and (served := self.routes.get(scope["path"])) is not None:
+            await served(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

@@ -6,20 +6,32 @@ one candidate engine (vLLM's; one worker asked, never all)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import anyio
+import msgspec
 import orjson
 
 from kvstream.gateway.errors import bad_request, upstream_failed
 from kvstream.gateway.options import GatewayOptions
-from kvstream.gateway.request_body import Endpoint, OpenAIRequest, is_token_ids
+from kvstream.gateway.request_body import TOKEN_END, Endpoint, OpenAIRequest
 from kvstream.gateway.seams import PromptTokenizer, WorkerEndpoint
 
 #: Fields of a chat body that change its rendering (vLLM's TokenizeChatRequest takes them).
 _CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
                 "chat_template", "chat_template_kwargs", "add_special_tokens")
+
+
+
+class _Tokenized(msgspec.Struct):
+    """What the gateway reads of a ``/tokenize`` answer (checked while it is decoded:
+    no walk over the ids in Python)."""
+
+    tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_END)]]
+
+
+_TOKENIZED = msgspec.json.Decoder(_Tokenized)
 
 
 class PromptIds:
@@ -31,9 +43,11 @@ class PromptIds:
         if req.endpoint is not Endpoint.COMPLETIONS:
             return None
         prompt = req.body["prompt"]
-        if type(prompt) is list and prompt and type(prompt[0]) is list:
-            return prompt[0]
-        return prompt if is_token_ids(prompt) else None
+        # parse() has checked the prompt: a list is all ids, all texts or all lists of ids.
+        if type(prompt) is not list:
+            return None
+        first = prompt[0]
+        return first if type(first) is list else prompt if type(first) is int else None
 
     async def ids(
         self, req: OpenAIRequest, size: int, endpoints: Sequence[WorkerEndpoint], session: aiohttp.ClientSession
@@ -90,9 +104,6 @@ class PromptIds:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize failed: {type(exc).__name__}: {exc}") from None
         try:
-            tokens = orjson.loads(answer)["tokens"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            tokens = None
-        if not is_token_ids(tokens):
-            raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize gave no token ids: {answer[:300]!r}")
-        return tokens
+            return _TOKENIZED.decode(answer).tokens
+        except msgspec.DecodeError:  # not JSON, or no token ids under "tokens"
+            raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize gave no token ids: {answer[:300]!r}") from None

@@ -99,6 +99,20 @@ def _events(data: bytes) -> list[bytes]:
     return data.replace(b"\r\n", b"\n").split(b"\n\n")
 
 
+def _content_in(data: bytes) -> bytes | None:
+    """None when one of the whole events of ``data`` carries content, else the part
+    after its last whole event (events are read one by one up to the first with
+    content: a read of a whole stream is not split into its events)."""
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    start = 0
+    while (end := data.find(b"\n\n", start)) >= 0:
+        if _has_content(data[start:end]):
+            return None
+        start = end + 2
+    return data[start:]
+
+
 def stream_usage(tail: bytes) -> dict | None:
     """The ``usage`` of a stream's last chunks (``stream_options.include_usage``)."""
     if b'"usage"' not in tail:
@@ -351,14 +365,10 @@ class Exchange:
                 now = time.perf_counter()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if pending is not None:
-                    pending += chunk
-                    *events, rest = _events(pending)
-                    if any(_has_content(e) for e in events):
-                        pending = None
+                    pending = _content_in(pending + chunk)
+                    if pending is None:
                         self.first_at = now
                         await self.life.prefill_done()  # after the chunk left: it costs the client nothing
-                    else:
-                        pending = rest
                 else:
                     itl.observe(now - seen)
                 seen = now

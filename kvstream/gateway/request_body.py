@@ -13,7 +13,8 @@ import orjson
 
 from kvstream.gateway.errors import bad_request
 
-_TOKEN_END = 1 << 32
+#: Token ids are u32.
+TOKEN_END = 1 << 32
 
 
 class Endpoint(StrEnum):
@@ -57,7 +58,7 @@ def parse(raw: bytes, endpoint: Endpoint) -> OpenAIRequest:
 
 
 def is_token_ids(value: object) -> bool:
-    return type(value) is list and all(type(t) is int and 0 <= t < _TOKEN_END for t in value)
+    return type(value) is list and all(type(t) is int and 0 <= t < TOKEN_END for t in value)
 
 
 def _check_prompt(prompt: object) -> None:

@@ -35,14 +35,22 @@ class FleetDirectory:
 
     def __init__(self, static: WorkerDirectory, registered: WorkerDirectory) -> None:
         self._static, self._registered = static, registered
+        #: The last join and what it was made of: the same sequence back while neither
+        #: side changed (the gateway keeps its candidates per model while it does).
+        self._joined: tuple[Sequence[WorkerEndpoint], Sequence[WorkerEndpoint], tuple[WorkerEndpoint, ...]] | None = None
 
     def endpoints(self) -> Sequence[WorkerEndpoint]:
         static = self._static.endpoints()
         if not static:
             return self._registered.endpoints()
+        registered = self._registered.endpoints()
+        last = self._joined
+        if last is not None and last[0] is static and last[1] is registered:
+            return last[2]
         ids = {ep.worker_id for ep in static}
-        joined = [*static, *(ep for ep in self._registered.endpoints() if ep.worker_id not in ids)]
-        return sorted(joined, key=lambda ep: ep.worker_id)
+        joined = tuple(sorted([*static, *(ep for ep in registered if ep.worker_id not in ids)], key=lambda ep: ep.worker_id))
+        self._joined = (static, registered, joined)
+        return joined
 
     def endpoint(self, worker_id: int) -> WorkerEndpoint | None:
         return self._static.endpoint(worker_id) or self._registered.endpoint(worker_id)

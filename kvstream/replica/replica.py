@@ -548,16 +548,19 @@ class Replica:
         headers += [(_ERROR_HEADER, reason[:2000].encode()), (_SOURCE_HEADER, source.encode())]
         self._produce("dlq", self.settings.topics.name("dlq"), value=value, key=key, headers=headers)
 
-    def _produce(self, what: str, topic: str, **kw) -> None:
+    def _produce(self, what: str, topic: str, poll: bool = True, **kw) -> None:
         """Produce without ever raising: a record the producer refuses at once (too
-        large, queue full, ...) is counted and logged; the caller goes on."""
+        large, queue full, ...) is counted and logged; the caller goes on. ``poll``:
+        serve delivery reports now, else at the ingest loop's next housekeeping (at
+        most 50 ms away)."""
         try:
             self._producer.produce(topic, on_delivery=self._delivery, **kw)
         except Exception as exc:  # noqa: BLE001 - never raise: e.g. a header the client refuses
             error = exc.args[0].name() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else type(exc).__name__
             self.metrics.produce_refused.labels(what=what, error=error).inc()
             log.error("produce refused", what=what, topic=topic, error=str(exc))
-        self._producer.poll(0)
+        if poll:
+            self._producer.poll(0)
 
     def _delivery(self, err, _msg) -> None:
         if err is not None:
@@ -873,8 +876,9 @@ class Replica:
         headers = [(_INSTANCE_HEADER, self._instance_tag)]
         if owner is not None:
             headers.append((_SENDER_HEADER, self.replica_id.encode()))
+        # Three ops per relayed request: a poll after each would cost as much as the op.
         self._produce(
-            "active", self.settings.topics.name("active"),
+            "active", self.settings.topics.name("active"), poll=False,
             value=self.active_codec.encode(owner or self.replica_id, op), key=op.request_id.encode(),
             headers=headers,
         )

@@ -158,6 +158,8 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     metrics = replica.metrics
+    if gateway is not None:  # first: its endpoints are served inside the body limits
+        gateway.mount(app, tokens)
     app.add_middleware(BodyLimit, limits=limits, on_reject=lambda limit: metrics.http_rejected.labels(limit=limit).inc())
     routing: list[anyio.CapacityLimiter] = []  # made on first use, inside the event loop
     streaming = [0]  # /v1/snapshot streams running
@@ -263,8 +265,6 @@ def create_app(
         return Response(answer, media_type="application/json")
 
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)
-    if gateway is not None:
-        gateway.mount(app, tokens)
     if docs:
         app.openapi = lambda: app.openapi_schema or _with_route_schema(app)  # type: ignore[method-assign]
 

@@ -28,6 +28,11 @@ from kvstream.tools.bench.procs import free_port, port_taken
 
 pytestmark = [pytest.mark.slow]
 
+#: kvstream's streams per second over sglang-router's at the kvstream front test's size
+#: (16 connections, 64 events), below which it fails: 0.50 measured on the shared 2-core
+#: machine, half of that kept as the margin for its load.
+STREAM_RATIO_FLOOR = 0.25
+
 CASES = [
     ("sglang-router", "cache_aware"),
     ("sglang-router", "round_robin"),
@@ -237,9 +242,15 @@ def test_gateway_bench_kvstream_front(request: pytest.FixtureRequest) -> None:
         assert "gateway" in out.output and "--fronts direct,sglang-router,vllm-router" in out.output
         return
     bootstrap = request.getfixturevalue("kafka_bootstrap")
-    r = _bench("--fronts", "direct,kvstream", "--bootstrap", bootstrap, "--duration", "1", "--tokens", "16",
-               "--prompts", "4", "--prompt-chars", "200", "--connections", "4", "--open-loop-connections", "8")
-    kv = r["fronts"]["kvstream"]
+    r = _bench("--fronts", "direct,kvstream,sglang-router", "--bootstrap", bootstrap, "--duration", "2",
+               "--tokens", "64", "--prompts", "4", "--prompt-chars", "200", "--connections", "16",
+               "--open-loop-connections", "8")
+    kv, sglang = r["fronts"]["kvstream"], r["fronts"]["sglang-router"]
     assert r["added_p50_us"] == kv["json_p50_us"] - r["fronts"]["direct"]["json_p50_us"]
     assert r["stream_requests_per_s"] == kv["stream_requests_per_s"]
     assert kv["json_requests_per_s"] <= r["direct_json_requests_per_s"] / 0.8
+    # Streams per second against sglang-router's, in the same run by the same load
+    # generator (issue 22's target is 1.0; where the gateway stands: docs/BENCHMARKS.md).
+    ratio = r["stream_ratio_vs_sglang_router"]
+    assert ratio == round(kv["stream_requests_per_s"] / sglang["stream_requests_per_s"], 3)
+    assert ratio >= STREAM_RATIO_FLOOR, (kv["stream_requests_per_s"], sglang["stream_requests_per_s"])

@@ -102,13 +102,16 @@ def kvstream_front(backends: Sequence[str], bootstrap: str | None, ready_timeout
         )
         config = Path(tmp) / "kvstream.toml"
         config.write_text(
-            f"bootstrap = {q(settings.bootstrap)}\nlog_level = \"WARNING\"\n\n"
+            f"bootstrap = {q(settings.bootstrap)}\n\n"
             f"[topics]\nprefix = {q(settings.topics.prefix)}\n\n"
             f"[replica]\nhost = \"127.0.0.1\"\nport = {port}\nsnapshot_dir = {q(str(Path(tmp) / 'snapshots'))}\n\n"
             # The backend's tokens are its own (bytes): let it tokenize.
             f"[gateway]\ntokenize = \"engine\"\n\n{workers}"
         )
-        cmd = [sys.executable, "-c", "from kvstream.cli import main; main()", "router", "--config", str(config)]
+        # Warnings only, as the peers run (``--log-level warn``): the gateway's line per
+        # request is an INFO one.
+        cmd = [sys.executable, "-c", "from kvstream.cli import main; main()", "--log-level", "WARNING",
+               "router", "--config", str(config)]
         proc = ManagedProcess.start("kvstream-router", cmd, port)
         try:
             wait_http(proc, "/readyz", ready_timeout)
