@@ -39,7 +39,7 @@ class _TwoReplicas:
 
     def __init__(self, a: fleet.Replica, b: fleet.Replica, kill_at: int, workers: int) -> None:
         self.a, self.b, self.kill_at, self.workers = a, b, kill_at, workers
-        self.inflight = {a.url: 0, b.url: 0}
+        self.inflight = {a.url: 0, b.url: 0, b.url + "#restarted": 0}
         self.target: dict[int, str] = {}
         self.b_up = True
         self.restart_s: float | None = None
@@ -50,7 +50,8 @@ class _TwoReplicas:
     def choose(self, i: int) -> str:
         if i == self.kill_at:
             self.b_up = False
-        url = self.b.url if self.b_up and i % 2 else self.a.url
+        # The restarted B gets a connection pool of its own (the old one's are dead).
+        url = (self.b.url + ("#restarted" if self.restart_s else "")) if self.b_up and i % 2 else self.a.url
         self.target[i] = url
         self.inflight[url] += 1
         return url
@@ -90,13 +91,15 @@ class _TwoReplicas:
               help="Replay the trace this many times faster (the engines run as fast).")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A Mooncake JSONL trace [default: ../shared/traces/ beside the repository, else a built-in workload].")
-@click.option("--policy", type=click.Choice(["kv", "ttft"]), default="ttft", show_default=True,
+@click.option("--policy", type=click.Choice(["kv", "ttft"]), default="kv", show_default=True,
               help="The replicas' routing policy ([router] policy).")
+@click.option("--gpu-blocks", type=click.IntRange(64), help="G1 blocks of 16 tokens per engine [default: the "
+              "emulator's 16,384 divided by the prompts' scale, 16: a real engine's footprint].")
 @click.option("--port", type=click.IntRange(1, 65535), help="Replica A's port (refused if taken) [default: a free one].")
 @click.option("--keep", is_flag=True, help="Keep the working directory (snapshots).")
 @click.option("--verbose", is_flag=True, help="Show the components' logs.")
 def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, trace: Path | None,
-         policy: str, port: int | None, keep: bool, verbose: bool) -> None:
+         policy: str, gpu_blocks: int | None, port: int | None, keep: bool, verbose: bool) -> None:
     """Emulated engines, two replicas, a trace slice through the OpenAI API; a replica killed and restarted; against round-robin."""
     if not verbose:
         configure_logging(level="WARNING")
@@ -104,7 +107,7 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, tra
         raise click.ClickException(f"port {port} on 127.0.0.1 is taken")
     trace = trace or fleet.default_trace()
     reqs, source = fleet.load_requests(trace, requests, speed)
-    scale = fleet.Scale()
+    scale = fleet.Scale(gpu_blocks=gpu_blocks)
     work = Path(tempfile.mkdtemp(prefix="kvstream-demo-"))
     try:
         with ExitStack() as stack:

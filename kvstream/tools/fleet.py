@@ -103,6 +103,8 @@ class Scale:
 
     factor: int = 16
     block_size: int = 16
+    #: G1 blocks per engine (None: the emulator's 16,384 divided by ``factor``).
+    gpu_blocks: int | None = None
 
     @property
     def tokens_per_id(self) -> int:
@@ -123,7 +125,7 @@ class Scale:
         return max(1, math.ceil(req.output_length / self.factor))
 
     def engine_flags(self) -> list[str]:
-        blocks = max(64, _GPU_BLOCKS // self.factor)
+        blocks = self.gpu_blocks or max(64, _GPU_BLOCKS // self.factor)
         return [
             "--num-gpu-blocks", str(blocks), "--max-model-len", str(blocks * self.block_size // 2),
             "--max-num-batched-tokens", str(max(2 * self.block_size, _BATCHED_TOKENS // self.factor)),
@@ -328,13 +330,13 @@ async def _replay(
     clients: dict[str, openai.AsyncOpenAI] = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    def client_for(url: str) -> openai.AsyncOpenAI:
-        if url not in clients:
-            clients[url] = openai.AsyncOpenAI(
-                base_url=url + "/v1", api_key="none", max_retries=0,
+    def client_for(target: str) -> openai.AsyncOpenAI:
+        if target not in clients:
+            clients[target] = openai.AsyncOpenAI(
+                base_url=target.partition("#")[0] + "/v1", api_key="none", max_retries=0,
                 http_client=httpx.AsyncClient(limits=limits, timeout=timeout),
             )
-        return clients[url]
+        return clients[target]
 
     prompts = [(scale.prompt(r), scale.max_tokens(r)) for r in requests]
     start = time.perf_counter()
@@ -365,7 +367,9 @@ def replay(
     on_sent: Callable[[int], None] | None = None, on_done: Callable[[int], None] | None = None,
     timeout: float = 60.0, concurrency: int = 512,
 ) -> Summary:
-    """Send every request at its due time to ``choose(i)`` (a base URL); ``on_sent(i)``
+    """Send every request at its due time to ``choose(i)`` (a base URL; a ``#tag`` after
+    it picks a connection pool of its own, e.g. a restarted server's, whose predecessor's
+    pooled connections are dead); ``on_sent(i)``
     and ``on_done(i)`` run in the event loop as request ``i`` leaves and ends (keep
     them short)."""
     outcomes, seconds = asyncio.run(_replay(requests, scale, choose, on_sent, on_done, timeout, concurrency))
