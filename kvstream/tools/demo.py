@@ -5,8 +5,9 @@ engines (``kvstream emulate``, with their ZMQ KV events) and their bridges (``kv
 worker --engine vllm``, which register each engine on kvstream.workers), and two router
 replicas serving the OpenAI API. A slice of the conversation trace is replayed through
 the replicas in turn with the official ``openai`` SDK (kvstream.tools.fleet: token-id
-prompts, timestamps divided by ``--speed``, engines running ``--speed`` times faster
-than real time so that they see the trace's real load). Halfway, replica B is drained
+prompts; the engines run ``--speed`` times faster than real time and the trace is
+replayed ``--speed`` × ``--load`` times faster, so that ``--load`` 1 is the trace's real
+load). Halfway, replica B is drained
 (no new requests), killed with SIGKILL and restarted from its snapshot. The same slice
 then goes to a fresh set of engines in turn (round-robin, straight to the engines), and
 a table compares requests, TTFT and the engines' own cached-token share. Everything
@@ -88,7 +89,9 @@ class _TwoReplicas:
 @click.option("--requests", default=800, show_default=True, type=click.IntRange(20),
               help="Requests from the start of the trace.")
 @click.option("--speed", default=8.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Replay the trace this many times faster (the engines run as fast).")
+              help="The engines run this many times faster than real time.")
+@click.option("--load", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="The trace's rate relative to real time (at the engines' speed).")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A Mooncake JSONL trace [default: ../shared/traces/ beside the repository, else a built-in workload].")
 @click.option("--policy", type=click.Choice(["kv", "ttft"]), default="kv", show_default=True,
@@ -98,7 +101,7 @@ class _TwoReplicas:
 @click.option("--port", type=click.IntRange(1, 65535), help="Replica A's port (refused if taken) [default: a free one].")
 @click.option("--keep", is_flag=True, help="Keep the working directory (snapshots).")
 @click.option("--verbose", is_flag=True, help="Show the components' logs.")
-def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, trace: Path | None,
+def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, load: float, trace: Path | None,
          policy: str, gpu_blocks: int | None, port: int | None, keep: bool, verbose: bool) -> None:
     """Emulated engines, two replicas, a trace slice through the OpenAI API; a replica killed and restarted; against round-robin."""
     if not verbose:
@@ -106,7 +109,7 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, tra
     if port is not None and port_taken(port):
         raise click.ClickException(f"port {port} on 127.0.0.1 is taken")
     trace = trace or fleet.default_trace()
-    reqs, source = fleet.load_requests(trace, requests, speed)
+    reqs, source = fleet.load_requests(trace, requests, speed * load)
     scale = fleet.Scale(gpu_blocks=gpu_blocks)
     work = Path(tempfile.mkdtemp(prefix="kvstream-demo-"))
     try:
@@ -130,7 +133,7 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, tra
                 stack.callback(r.stop)
             for r in (a, b):
                 r.wait_ready(n_engines)
-            click.echo(f"replaying {len(reqs)} requests of {source} at {speed:g}x through the replicas ...", err=True)
+            click.echo(f"replaying {len(reqs)} requests of {source} at {speed * load:g}x through the replicas ...", err=True)
             pair = _TwoReplicas(a, b, len(reqs) // 2, n_engines)
             kv = fleet.replay(reqs, scale, pair.choose, on_done=pair.done)
             pair.join()
@@ -139,7 +142,7 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, tra
             fresh = fleet.start_engines(n_engines, scale, speed)
             stack.callback(fleet.stop_all, [e.proc for e in fresh])
             rr = fleet.replay(reqs, scale, lambda i: fresh[i % n_engines].url)
-            _report(kv, rr, pair, source, speed, n_engines, policy)
+            _report(kv, rr, pair, source, speed, load, n_engines, policy)
     finally:
         if keep:
             click.echo(f"working directory kept: {work}", err=True)
@@ -147,7 +150,8 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, tra
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _report(kv: fleet.Summary, rr: fleet.Summary, pair: _TwoReplicas, source: str, speed: float, engines: int,
+def _report(kv: fleet.Summary, rr: fleet.Summary, pair: _TwoReplicas, source: str, speed: float, load: float,
+            engines: int,
             policy: str) -> None:
     kv_rows = [(f"kvstream {policy} (2 replicas)", kv), ("round-robin", rr)]
     click.echo("")
@@ -155,7 +159,7 @@ def _report(kv: fleet.Summary, rr: fleet.Summary, pair: _TwoReplicas, source: st
     for name, s in kv_rows:
         click.echo(f"{name:<26} {s.requests:>8} {s.failed:>6} {s.ttft_p50_ms:>7.0f}ms {s.ttft_p99_ms:>7.0f}ms "
                    f"{s.cached_token_share:>19.1%}")
-    click.echo(f"({engines} engines at {speed:g}x real time; TTFT in wall-clock ms at that speed; cached tokens are "
+    click.echo(f"({engines} engines at {speed:g}x real time, the trace at {load:g}x its load; TTFT in wall-clock ms at that speed; cached tokens are "
                f"the engines' own usage.prompt_tokens_details; trace: {source}; load {fleet.loadavg()})")
     if pair.restart_s is not None:
         click.echo(f"replica B killed with SIGKILL mid-run and restarted from its snapshot "
