@@ -18,7 +18,7 @@ shared cores cannot spare at the rates replayed here, and ids make equal hash id
 prompts by construction. Each hash id stands for ``tokens_per_id`` tokens (the trace's
 512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16); output lengths
 are scaled down alike. The engines' prefill and KV-read costs per token are multiplied by
-``scale``, their G1 capacity and step token budget divided by it, so a request keeps the real one's prefill
+``scale``, their G1 and host-tier capacities and step token budget divided by it, so a request keeps the real one's prefill
 time and cache footprint.
 """
 
@@ -51,6 +51,7 @@ _PREFILL_MS_PER_TOKEN = 0.05
 _DECODE_MS_PER_CONTEXT_TOKEN = 4e-5
 _GPU_BLOCKS = 16_384
 _BATCHED_TOKENS = 8192
+_CPU_BLOCKS = 65_536
 
 
 def default_trace() -> Path | None:
@@ -105,6 +106,10 @@ class Scale:
     block_size: int = 16
     #: G1 blocks per engine (None: the emulator's 16,384 divided by ``factor``).
     gpu_blocks: int | None = None
+    #: Host-tier blocks per engine (vLLM's CPU offloading; None: the simulator's G2 of
+    #: 65,536 divided by ``factor``; 0: none). The trace's conversations come back after
+    #: minutes, by when a real engine's G1 has long evicted them.
+    cpu_blocks: int | None = None
 
     @property
     def tokens_per_id(self) -> int:
@@ -127,7 +132,8 @@ class Scale:
     def engine_flags(self) -> list[str]:
         blocks = self.gpu_blocks or max(64, _GPU_BLOCKS // self.factor)
         return [
-            "--num-gpu-blocks", str(blocks), "--max-model-len", str(blocks * self.block_size // 2),
+            "--num-gpu-blocks", str(blocks),
+            "--num-cpu-blocks", str(_CPU_BLOCKS // self.factor if self.cpu_blocks is None else self.cpu_blocks), "--max-model-len", str(blocks * self.block_size // 2),
             "--max-num-batched-tokens", str(max(2 * self.block_size, _BATCHED_TOKENS // self.factor)),
             "--block-size", str(self.block_size),
             "--prefill-ms-per-token", str(_PREFILL_MS_PER_TOKEN * self.factor),
