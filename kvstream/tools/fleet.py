@@ -126,6 +126,12 @@ class Scale:
                 break
         return out[:n]
 
+    def text(self, req: Request) -> str:
+        """The same prompt as words, one per token id (for a router that takes no token-id
+        prompts): the emulator's fallback tokenizer makes each word one token, so the
+        engines see prompts of the same lengths sharing the same prefixes."""
+        return " ".join(f"t{t}" for t in self.prompt(req))
+
     def max_tokens(self, req: Request) -> int:
         return max(1, math.ceil(req.output_length / self.factor))
 
@@ -213,6 +219,9 @@ class Replica:
             "KVSTREAM_ROUTER__POLICY": self.policy,
             "KVSTREAM_ROUTER__BLOCK_SIZE": "16",
             "KVSTREAM_REPLICA__SNAPSHOT_EVERY_S": "2",
+            # Text prompts get their ids from an engine's /tokenize (the engines'
+            # fallback tokenizer is no local tokenizer.json).
+            "KVSTREAM_GATEWAY__TOKENIZE": "engine",
         })
         self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart)
 
@@ -282,8 +291,12 @@ class Summary:
     errors: tuple[str, ...]
 
     def as_dict(self) -> dict[str, object]:
-        return {k: (round(v, 4) if isinstance(v, float) else list(v) if isinstance(v, tuple) else v)
-                for k, v in ((f, getattr(self, f)) for f in self.__slots__)}
+        def plain(v: object) -> object:  # NaN (nothing succeeded) is null in JSON
+            if isinstance(v, float):
+                return None if math.isnan(v) else round(v, 4)
+            return list(v) if isinstance(v, tuple) else v
+
+        return {f: plain(getattr(self, f)) for f in self.__slots__}
 
 
 def summarize(outcomes: Sequence[Outcome], seconds: float) -> Summary:
@@ -303,7 +316,7 @@ def summarize(outcomes: Sequence[Outcome], seconds: float) -> Summary:
     )
 
 
-async def _one(client: object, prompt: list[int], max_tokens: int, timeout: float) -> Outcome:
+async def _one(client: object, prompt: list[int] | str, max_tokens: int, timeout: float) -> Outcome:
     t0 = time.perf_counter()
     ttft = math.nan
     usage = None
@@ -329,7 +342,7 @@ async def _one(client: object, prompt: list[int], max_tokens: int, timeout: floa
 async def _replay(
     requests: Sequence[Request], scale: Scale, choose: Callable[[int], str],
     on_sent: Callable[[int], None] | None, on_done: Callable[[int], None] | None, timeout: float,
-    concurrency: int,
+    concurrency: int, text: bool,
 ) -> tuple[list[Outcome], float]:
     import openai
 
@@ -344,7 +357,7 @@ async def _replay(
             )
         return clients[target]
 
-    prompts = [(scale.prompt(r), scale.max_tokens(r)) for r in requests]
+    prompts = [(scale.text(r) if text else scale.prompt(r), scale.max_tokens(r)) for r in requests]
     start = time.perf_counter()
     first = requests[0].arrival_ms if requests else 0.0
 
@@ -371,14 +384,14 @@ async def _replay(
 def replay(
     requests: Sequence[Request], scale: Scale, choose: Callable[[int], str],
     on_sent: Callable[[int], None] | None = None, on_done: Callable[[int], None] | None = None,
-    timeout: float = 60.0, concurrency: int = 512,
+    timeout: float = 60.0, concurrency: int = 512, text: bool = False,
 ) -> Summary:
     """Send every request at its due time to ``choose(i)`` (a base URL; a ``#tag`` after
     it picks a connection pool of its own, e.g. a restarted server's, whose predecessor's
     pooled connections are dead); ``on_sent(i)``
     and ``on_done(i)`` run in the event loop as request ``i`` leaves and ends (keep
-    them short)."""
-    outcomes, seconds = asyncio.run(_replay(requests, scale, choose, on_sent, on_done, timeout, concurrency))
+    them short). ``text``: prompts as words (:meth:`Scale.text`), not token ids."""
+    outcomes, seconds = asyncio.run(_replay(requests, scale, choose, on_sent, on_done, timeout, concurrency, text))
     return summarize(outcomes, seconds)
 
 

@@ -9,7 +9,9 @@ the trace ``L`` × that fast, so ``L`` is the trace's rate relative to real time
 replayer sending to them in turn: a plain round-robin balancer), ``vllm-router-kv_aware``
 (fed every engine's ZMQ KV events), ``vllm-router-cache_aware``,
 ``sglang-router-cache_aware`` (pinned, kvstream.tools.bench.peers) and ``round_robin``
-(the replayer sending to the engines in turn). The replayer is kvstream's own: no
+(the replayer sending to the engines in turn). sglang-router refuses token-id prompts
+(422, its request schema), so it gets the same prompts as words, one token per word at
+the engines (kvstream.tools.fleet.Scale.text): the same lengths and shared prefixes. The replayer is kvstream's own: no
 third-party trace replayer was installed and tried in the time this bench was written.
 
 ``--kill-engine`` adds the scenario ``kvstream-kv-engine-killed``: engine 1 is killed
@@ -85,12 +87,14 @@ def _front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path)
 @click.option("--routers", default=",".join(ROUTERS), show_default=True)
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--quick", is_flag=True, help="2 engines, 120 requests, the first load only, no engine killed (for tests).")
+@click.option("--token-id-prompts", is_flag=True,
+              help="Send token-id prompts instead of words (sglang-router refuses them; 3x slower here).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw TTFT p50/p99 and cached-token share per router and load into this PNG.")
 @bootstrap_option
 @json_option
 def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, kill_engine: bool, routers: str,
-                trace: Path | None, quick: bool, plot: Path | None, bootstrap: str | None, as_json: bool) -> None:
+                trace: Path | None, quick: bool, token_id_prompts: bool, plot: Path | None, bootstrap: str | None, as_json: bool) -> None:
     """Routers head to head in front of the same emulated fleet and trace slice."""
     chosen = [r.strip() for r in routers.split(",") if r.strip()]
     unknown = sorted(set(chosen) - set(ROUTERS))
@@ -116,7 +120,8 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
                 runs.append(("kvstream-kv", max(factors), True))
             for router, load, kill in runs:
                 reqs, out["trace"] = fleet.load_requests(trace, requests, engine_speed * load)
-                row = _run(router, reqs, scale, engine_speed, n_engines, servers, Path(tmp), kill)
+                text = not token_id_prompts or router.startswith("sglang")
+                row = _run(router, reqs, scale, engine_speed, n_engines, servers, Path(tmp), kill, text)
                 name = router + ("-engine-killed" if kill else "")
                 out["routers"].setdefault(name, {})[f"{load:g}x"] = row
                 click.echo(f"{name} load {load:g}x: {row}", err=True)
@@ -153,7 +158,7 @@ def draw(out: dict[str, Any], path: Path) -> None:
 
 
 def _run(router: str, reqs: list[Any], scale: fleet.Scale, speed: float, n_engines: int, bootstrap: str, work: Path,
-         kill: bool) -> dict[str, Any]:
+         kill: bool, text: bool) -> dict[str, Any]:
     """One router at one load on fresh engines: the replay's summary, the routers' CPU."""
     engines = fleet.start_engines(n_engines, scale, speed)
     try:
@@ -164,8 +169,9 @@ def _run(router: str, reqs: list[Any], scale: fleet.Scale, speed: float, n_engin
                     os.killpg(engines[0].proc.popen.pid, signal.SIGKILL)  # a crash, mid-stream
 
             cpu0 = sum(p.cpu_seconds() for p in procs)
-            s = fleet.replay(reqs, scale, choose, on_sent=on_sent)
+            s = fleet.replay(reqs, scale, choose, on_sent=on_sent, text=text)
             cpu = sum(p.cpu_seconds() for p in procs) - cpu0
     finally:
         fleet.stop_all([e.proc for e in engines])
-    return s.as_dict() | {"router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg()}
+    return s.as_dict() | {"router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg(),
+                          "prompts": "text" if text else "token ids"}
