@@ -12,12 +12,17 @@ demo`` and ``kvstream bench fleet`` share.
   to the base URL a chooser gives; TTFT is the first chunk with text, the cached tokens
   are the engine's own (``usage.prompt_tokens_details.cached_tokens``).
 
-**Prompts are token ids**, derived from the trace's hash ids (``prompt: [ids]``): text
-would cost a tokenizer pass in the gateway and the engine for every request, which two
-shared cores cannot spare at the rates replayed here, and ids make equal hash ids equal
-prompts by construction. Each hash id stands for ``tokens_per_id`` tokens (the trace's
-512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16); output lengths
-are scaled down alike. The engines' prefill and KV-read costs per token are multiplied by
+**Prompts** come from the trace's hash ids: each id stands for ``tokens_per_id`` tokens
+(the trace's 512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16),
+sent as token ids (``prompt: [ids]``, :meth:`Scale.prompt`) or as words, one token each
+under the emulator's fallback tokenizer (:meth:`Scale.text`); equal hash ids give equal
+prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
+token-id prompts (422), and token-id prompts took this machine to saturation at half
+of the rate words did (round-robin, 8 engines, 3× the trace: 16 against 32 requests/s,
+TTFT p50 8.7 s against 0.43 s), a cost of the client and engine side, not of the
+engines' model. The demo sends token ids (at the trace's own load they are cheap
+enough, and the gateway then needs no tokenizer). Output lengths are scaled down alike.
+The engines' prefill and KV-read costs per token are multiplied by
 ``scale``, their G1 and host-tier capacities and step token budget divided by it, so a request keeps the real one's prefill
 time and cache footprint.
 """

@@ -88,7 +88,7 @@ def _front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path)
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--quick", is_flag=True, help="2 engines, 120 requests, the first load only, no engine killed (for tests).")
 @click.option("--token-id-prompts", is_flag=True,
-              help="Send token-id prompts instead of words (sglang-router refuses them; 3x slower here).")
+              help="Send token-id prompts instead of words (sglang-router refuses them; half the rate here).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw TTFT p50/p99 and cached-token share per router and load into this PNG.")
 @bootstrap_option
