@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -247,7 +248,7 @@ class Replica:
     def kill(self) -> None:
         """SIGKILL, as a crash (its snapshot stays)."""
         assert self.proc is not None
-        os.killpg(self.proc.popen.pid, 9)
+        os.killpg(self.proc.popen.pid, signal.SIGKILL)
         self.proc.popen.wait()
         self.proc.stop()
 
