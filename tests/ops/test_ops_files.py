@@ -215,10 +215,15 @@ def test_router_commands_do_not_import_torch():
 # --- compose ---------------------------------------------------------------------------
 
 
+#: The emulated fleet of the `fleet` profile.
+FLEET = ("engine-1", "engine-2", "bridge-1", "bridge-2")
+
+
 def test_compose_names_the_services():
     spec = compose()
     assert set(spec["services"]) == {
         "kafka", "topics", "router-1", "router-2", "worker-1", "worker-2", "prometheus", "grafana",
+        *FLEET,
     }
     services = spec["services"]
     # kvstream's Kafka image, of the local broker's version; a single KRaft node that
@@ -232,7 +237,9 @@ def test_compose_names_the_services():
     assert not any(k.startswith("KAFKA_AUTO_CREATE") for k in services["kafka"]["environment"])
     # Prometheus and Grafana come from a registry: only with the monitoring profile.
     assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
-    assert not any("profiles" in svc for svc in kvstream_services(spec).values())
+    # The emulated fleet only with the fleet profile; the rest always.
+    assert all(services[name]["profiles"] == ["fleet"] for name in FLEET)
+    assert not any("profiles" in svc for name, svc in kvstream_services(spec).items() if name not in FLEET)
     assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
     for name in ("router-1", "worker-1", "worker-2"):
         assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
@@ -250,6 +257,16 @@ def test_compose_commands_parse_with_the_cli():
     workers = [seen[n] for n in ("worker-1", "worker-2")]
     assert {w.command.name for w in workers} == {"worker"}
     assert len({w.params["worker_id"] for w in workers}) == 2, "each worker needs its own id"
+    engines = [seen[n] for n in ("engine-1", "engine-2")]
+    assert {e.command.name for e in engines} == {"emulate"}
+    bridges = [seen[n] for n in ("bridge-1", "bridge-2")]
+    assert {b.params["engine"] for b in bridges} == {"vllm"}
+    ids = {w.params["worker_id"] for w in workers + bridges}
+    assert len(ids) == 4, "each worker and bridge needs its own id"
+    # Each bridge reads its own engine's events and registers that engine's URL.
+    for i, bridge in enumerate(bridges, 1):
+        assert bridge.params["engine_url"] == f"http://engine-{i}:{engines[i - 1].params['port']}"
+        assert all(f"//engine-{i}:" in e for e in bridge.params["endpoints"] + bridge.params["replay_endpoints"])
 
 
 def test_routers_have_their_own_snapshots_and_a_readiness_check():

@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "tokenize": "kvstream.tools.bench.tokenize:tokenize_bench",
     "ingest": "kvstream.tools.bench.ingest:ingest_bench",
     "emulate": "kvstream.tools.bench.emulate:emulate_bench",
+    "fleet": "kvstream.tools.bench.fleet:fleet_bench",
 }
 
 

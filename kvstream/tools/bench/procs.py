@@ -83,11 +83,13 @@ class ManagedProcess:
     @classmethod
     def start(
         cls, name: str, cmd: Sequence[str], port: int, env: Mapping[str, str] | None = None,
-        extra_ports: Sequence[int] = (),
+        extra_ports: Sequence[int] = (), restart: bool = False,
     ) -> ManagedProcess:
         """Run ``cmd`` (which will listen on ``port`` and ``extra_ports``); refused when a
-        port is taken."""
-        for p in (port, *extra_ports):
+        port is taken, unless ``restart``: the same server again on its own ports, which
+        its killed predecessor's connections hold in TIME_WAIT for a while (servers bind
+        with SO_REUSEADDR)."""
+        for p in () if restart else (port, *extra_ports):
             if port_taken(p):
                 raise click.ClickException(f"{name}: port {p} on {HOST} is taken")
         _install_handlers()

@@ -1,0 +1,408 @@
+"""An emulated fleet on one machine, and a trace replayed through it: what ``kvstream
+demo`` and ``kvstream bench fleet`` share.
+
+- **Engines**: ``kvstream emulate`` processes, each with its HTTP port and its vLLM KV
+  events (ZMQ PUB and replay ports); the trace's scale (below) is applied to their cost
+  model and capacity so that a scaled-down prompt costs what the real one would.
+- **Bridges**: ``kvstream worker --engine vllm`` per engine, registering its URL and
+  model on ``kvstream.workers``, so that every replica's gateway routes to it.
+- **Replicas**: ``kvstream router`` processes serving the OpenAI API.
+- **Replay**: the trace's requests sent at their timestamps (divided by the speed) with
+  the official ``openai`` SDK (async, one task per request, streamed with usage), each
+  to the base URL a chooser gives; TTFT is the first chunk with text, the cached tokens
+  are the engine's own (``usage.prompt_tokens_details.cached_tokens``).
+
+**Prompts** come from the trace's hash ids: each id stands for ``tokens_per_id`` tokens
+(the trace's 512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16),
+sent as token ids (``prompt: [ids]``, :meth:`Scale.prompt`) or as words, one token each
+under the emulator's fallback tokenizer (:meth:`Scale.text`); equal hash ids give equal
+prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
+token-id prompts (422), and token-id prompts took this machine to saturation at half
+of the rate words did (round-robin, 8 engines, 3× the trace: 16 against 32 requests/s,
+TTFT p50 8.7 s against 0.43 s), a cost of the client and engine side, not of the
+engines' model. The demo sends token ids (at the trace's own load they are cheap
+enough, and the gateway then needs no tokenizer). Output lengths are scaled down alike.
+The engines' prefill and KV-read costs per token are multiplied by
+``scale``, their G1 and host-tier capacities and step token budget divided by it, so a request keeps the real one's prefill
+time and cache footprint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import httpx
+import numpy as np
+
+from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+TRACE_NAME = "mooncake_fast25_conversation_trace.jsonl"
+#: The emulator's vocabulary (Llama 3's): token ids are kept inside it.
+_VOCAB = 128_256
+_RESERVED = 1000  # ids below this (placeholders, specials) are left alone
+_CLI = [sys.executable, "-c", "from kvstream.cli import main; main()"]
+#: The emulator's own per-token costs (kvstream emulate's defaults), scaled with the prompts.
+_PREFILL_MS_PER_TOKEN = 0.05
+_DECODE_MS_PER_CONTEXT_TOKEN = 4e-5
+_GPU_BLOCKS = 16_384
+_BATCHED_TOKENS = 8192
+_CPU_BLOCKS = 65_536
+
+
+def default_trace() -> Path | None:
+    """The conversation trace beside the repository (``<repo>/../shared/traces``, as in
+    CI) or in /work/shared; None when neither exists."""
+    repo = Path(__file__).resolve().parents[2]
+    for base in (repo.parent / "shared", Path("/work/shared")):
+        path = base / "traces" / TRACE_NAME
+        if path.is_file():
+            return path
+    return None
+
+
+def fallback_requests(count: int, seed: int = 0) -> list[Request]:
+    """A small seeded stand-in for the trace: conversations whose turns extend their
+    earlier prompts (one shared system id), arriving at about the trace's rate."""
+    rng = np.random.default_rng(seed)
+    convs: list[list[int]] = []
+    next_id = 1
+    out: list[Request] = []
+    t = 0.0
+    for i in range(count):
+        t += float(rng.exponential(300.0))
+        if not convs or rng.random() < 0.35:
+            ids = [0] + list(range(next_id, next_id + int(rng.integers(3, 10))))
+            next_id += len(ids)
+            convs.append(ids)
+        else:
+            ids = convs[int(rng.integers(len(convs)))]
+            ids += list(range(next_id, next_id + int(rng.integers(1, 4))))
+            next_id += len(ids)
+        ids = list(ids)
+        out.append(Request(f"r{i}", t, len(ids) * MOONCAKE_TOKENS_PER_ID, int(rng.integers(50, 500)), tuple(ids)))
+    return out
+
+
+def load_requests(trace: Path | None, count: int, speed: float) -> tuple[list[Request], str]:
+    """The first ``count`` requests of ``trace`` at ``speed`` (or the fallback), and where
+    they came from, for the report."""
+    if trace is None:
+        reqs = fallback_requests(count)
+        return [Request(r.request_id, r.arrival_ms / speed, r.input_length, r.output_length, r.hash_ids)
+                for r in reqs], f"built-in fallback workload ({TRACE_NAME} not found beside the repository)"
+    return read_mooncake(trace, TraceOptions(speed=speed, limit=count)), str(trace)
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """How a trace request becomes a cheaper one (the module's notes)."""
+
+    factor: int = 16
+    block_size: int = 16
+    #: G1 blocks per engine (None: the emulator's 16,384 divided by ``factor``).
+    gpu_blocks: int | None = None
+    #: Host-tier blocks per engine (vLLM's CPU offloading; None: the simulator's G2 of
+    #: 65,536 divided by ``factor``; 0: none). The trace's conversations come back after
+    #: minutes, by when a real engine's G1 has long evicted them.
+    cpu_blocks: int | None = None
+
+    @property
+    def tokens_per_id(self) -> int:
+        return max(self.block_size, MOONCAKE_TOKENS_PER_ID // self.factor)
+
+    def prompt(self, req: Request) -> list[int]:
+        """Token ids: hash id ``h``'s tokens are ``f(h)`` repeated (the trace's convention,
+        kept inside the vocabulary), cut to the scaled input length."""
+        n = max(1, math.ceil(req.input_length * self.tokens_per_id / MOONCAKE_TOKENS_PER_ID))
+        out: list[int] = []
+        for h in req.hash_ids:
+            out.extend([_RESERVED + h % (_VOCAB - _RESERVED)] * self.tokens_per_id)
+            if len(out) >= n:
+                break
+        return out[:n]
+
+    def text(self, req: Request) -> str:
+        """The same prompt as words, one per token id (for a router that takes no token-id
+        prompts): the emulator's fallback tokenizer makes each word one token, so the
+        engines see prompts of the same lengths sharing the same prefixes."""
+        return " ".join(f"t{t}" for t in self.prompt(req))
+
+    def max_tokens(self, req: Request) -> int:
+        return max(1, math.ceil(req.output_length / self.factor))
+
+    def engine_flags(self) -> list[str]:
+        blocks = self.gpu_blocks or max(64, _GPU_BLOCKS // self.factor)
+        return [
+            "--num-gpu-blocks", str(blocks),
+            "--num-cpu-blocks", str(_CPU_BLOCKS // self.factor if self.cpu_blocks is None else self.cpu_blocks), "--max-model-len", str(blocks * self.block_size // 2),
+            "--max-num-batched-tokens", str(max(2 * self.block_size, _BATCHED_TOKENS // self.factor)),
+            "--block-size", str(self.block_size),
+            "--prefill-ms-per-token", str(_PREFILL_MS_PER_TOKEN * self.factor),
+            "--decode-ms-per-context-token", str(_DECODE_MS_PER_CONTEXT_TOKEN * self.factor),
+        ]
+
+
+@dataclass(slots=True)
+class Engine:
+    """One emulated engine: its process and its ports."""
+
+    index: int
+    proc: ManagedProcess
+    events: str
+    replay: str
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+
+def start_engine(index: int, scale: Scale, speed: float, port: int | None = None) -> Engine:
+    port = port or free_port()
+    pub, rep = free_port(), free_port()
+    events, replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
+    cmd = [*_CLI, "emulate", "--port", str(port), "--model", MODEL, "--speed", str(speed), *scale.engine_flags(),
+           "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
+    proc = ManagedProcess.start(f"engine-{index}", cmd, port, extra_ports=[pub, rep])
+    return Engine(index, proc, events, replay)
+
+
+def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0) -> list[Engine]:
+    engines: list[Engine] = []
+    try:
+        for i in range(count):
+            engines.append(start_engine(i + 1, scale, speed))
+        for e in engines:
+            wait_http(e.proc, "/health", timeout)
+    except BaseException:
+        stop_all(e.proc for e in engines)
+        raise
+    return engines
+
+
+def kafka_env(prefix: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {"KVSTREAM_TOPICS__PREFIX": prefix, "KVSTREAM_LOG_LEVEL": "WARNING", **(extra or {})}
+
+
+def start_bridge(engine: Engine, bootstrap: str, prefix: str) -> ManagedProcess:
+    cmd = [*_CLI, "worker", "--engine", "vllm", "--worker-id", str(engine.index), "--bootstrap", bootstrap,
+           "--endpoint", engine.events, "--replay-endpoint", engine.replay,
+           "--engine-url", engine.url, "--model", MODEL, "--heartbeat-s", "1", "--metrics-port", "0"]
+    # A bridge serves nothing: its "port" is a placeholder the process never binds.
+    return ManagedProcess.start(f"bridge-{engine.index}", cmd, free_port(), env=kafka_env(prefix))
+
+
+@dataclass(slots=True)
+class Replica:
+    """A ``kvstream router`` serving the OpenAI API, restartable on its port and snapshot."""
+
+    name: str
+    bootstrap: str
+    prefix: str
+    policy: str
+    snapshot_dir: Path
+    port: int = field(default_factory=free_port)
+    proc: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, restart: bool = False) -> None:
+        cmd = [*_CLI, "router", "--bootstrap", self.bootstrap, "--port", str(self.port),
+               "--snapshot-dir", str(self.snapshot_dir)]
+        env = kafka_env(self.prefix, {
+            "KVSTREAM_ROUTER__POLICY": self.policy,
+            "KVSTREAM_ROUTER__BLOCK_SIZE": "16",
+            "KVSTREAM_REPLICA__SNAPSHOT_EVERY_S": "2",
+            # Text prompts get their ids from an engine's /tokenize (the engines'
+            # fallback tokenizer is no local tokenizer.json).
+            "KVSTREAM_GATEWAY__TOKENIZE": "engine",
+        })
+        self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart)
+
+    def wait_ready(self, workers: int, timeout: float = 90.0) -> float:
+        """Seconds until /readyz answers 200 and the gateway knows ``workers`` workers."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        wait_http(self.proc, "/readyz", timeout)
+        with httpx.Client(timeout=5) as client:
+            while True:
+                known = client.get(self.url + "/v1/workers").json().get("workers", {})
+                if len(known) >= workers:
+                    return time.monotonic() - t0
+                if time.monotonic() - t0 > timeout:
+                    raise click.ClickException(f"replica {self.name} knows {len(known)} of {workers} workers")
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash (its snapshot stays)."""
+        assert self.proc is not None
+        os.killpg(self.proc.popen.pid, signal.SIGKILL)
+        self.proc.popen.wait()
+        self.proc.stop()
+
+    def snapshot_blocks(self) -> float:
+        """``kvstream_snapshot_loaded_blocks``: the blocks it restored at start."""
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith("kvstream_snapshot_loaded_blocks"):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def stop_all(procs: object) -> None:
+    for p in list(procs):  # type: ignore[call-overload]
+        p.stop()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One replayed request."""
+
+    ok: bool
+    ttft_ms: float = math.nan
+    e2e_ms: float = math.nan
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    requests: int
+    failed: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    requests_per_s: float
+    cached_token_share: float
+    seconds: float
+    errors: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        def plain(v: object) -> object:  # NaN (nothing succeeded) is null in JSON
+            if isinstance(v, float):
+                return None if math.isnan(v) else round(v, 4)
+            return list(v) if isinstance(v, tuple) else v
+
+        return {f: plain(getattr(self, f)) for f in self.__slots__}
+
+
+def summarize(outcomes: Sequence[Outcome], seconds: float) -> Summary:
+    ok = [o for o in outcomes if o.ok]
+
+    def pct(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) if values else math.nan
+
+    ttft = [o.ttft_ms for o in ok]
+    e2e = [o.e2e_ms for o in ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    errors = sorted({o.error for o in outcomes if not o.ok})
+    return Summary(
+        len(outcomes), len(outcomes) - len(ok), pct(ttft, 50), pct(ttft, 90), pct(ttft, 99), pct(e2e, 50),
+        pct(e2e, 99), len(ok) / seconds if seconds > 0 else 0.0,
+        sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, seconds, tuple(errors[:5]),
+    )
+
+
+async def _one(client: object, prompt: list[int] | str, max_tokens: int, timeout: float) -> Outcome:
+    t0 = time.perf_counter()
+    ttft = math.nan
+    usage = None
+    try:
+        stream = await client.completions.create(  # type: ignore[attr-defined]
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, timeout=timeout,
+        )
+        async for chunk in stream:
+            if math.isnan(ttft) and chunk.choices:
+                ttft = (time.perf_counter() - t0) * 1000
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except Exception as exc:  # every failure is counted with its kind, never raised
+        return Outcome(False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
+    if usage is None or math.isnan(ttft):
+        return Outcome(False, error="stream ended without text or usage")
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return Outcome(True, ttft, (time.perf_counter() - t0) * 1000, usage.prompt_tokens, cached)
+
+
+async def _replay(
+    requests: Sequence[Request], scale: Scale, choose: Callable[[int], str],
+    on_sent: Callable[[int], None] | None, on_done: Callable[[int], None] | None, timeout: float,
+    concurrency: int, text: bool,
+) -> tuple[list[Outcome], float]:
+    import openai
+
+    clients: dict[str, openai.AsyncOpenAI] = {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    def client_for(target: str) -> openai.AsyncOpenAI:
+        if target not in clients:
+            clients[target] = openai.AsyncOpenAI(
+                base_url=target.partition("#")[0] + "/v1", api_key="none", max_retries=0,
+                http_client=httpx.AsyncClient(limits=limits, timeout=timeout),
+            )
+        return clients[target]
+
+    prompts = [(scale.text(r) if text else scale.prompt(r), scale.max_tokens(r)) for r in requests]
+    start = time.perf_counter()
+    first = requests[0].arrival_ms if requests else 0.0
+
+    async def due(i: int) -> Outcome:
+        delay = (requests[i].arrival_ms - first) / 1000 - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if on_sent is not None:
+            on_sent(i)
+        try:
+            return await _one(client_for(choose(i)), *prompts[i], timeout)
+        finally:
+            if on_done is not None:
+                on_done(i)
+
+    try:
+        outcomes = await asyncio.gather(*(due(i) for i in range(len(requests))))
+    finally:
+        for c in clients.values():
+            await c.close()
+    return list(outcomes), time.perf_counter() - start
+
+
+def replay(
+    requests: Sequence[Request], scale: Scale, choose: Callable[[int], str],
+    on_sent: Callable[[int], None] | None = None, on_done: Callable[[int], None] | None = None,
+    timeout: float = 60.0, concurrency: int = 512, text: bool = False,
+) -> Summary:
+    """Send every request at its due time to ``choose(i)`` (a base URL; a ``#tag`` after
+    it picks a connection pool of its own, e.g. a restarted server's, whose predecessor's
+    pooled connections are dead); ``on_sent(i)``
+    and ``on_done(i)`` run in the event loop as request ``i`` leaves and ends (keep
+    them short). ``text``: prompts as words (:meth:`Scale.text`), not token ids."""
+    outcomes, seconds = asyncio.run(_replay(requests, scale, choose, on_sent, on_done, timeout, concurrency, text))
+    return summarize(outcomes, seconds)
+
+
+def loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "n/a"
