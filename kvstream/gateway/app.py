@@ -196,8 +196,10 @@ class Gateway:
             if endpoint is Endpoint.EMBEDDINGS:
                 ids: list[int] = []
             else:
-                least = min(up, key=lambda ep: self._per_worker.get(ep.worker_id, 0))
-                ids = await self.prompts.ids(req, len(raw), [least], self.session)
+                # The least loaded first (the one asked, when engines tokenize); the
+                # others in case it cannot answer.
+                by_load = sorted(up, key=lambda ep: self._per_worker.get(ep.worker_id, 0))
+                ids = await self.prompts.ids(req, len(raw), by_load, self.session)
                 if len(ids) > self.options.max_prompt_tokens:
                     raise bad_request(
                         f"the prompt has {len(ids)} tokens, more than the {self.options.max_prompt_tokens} accepted",

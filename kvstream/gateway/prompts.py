@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import orjson
 
-from kvstream.gateway.errors import bad_request, upstream_failed
+from kvstream.gateway.errors import ApiError, bad_request, upstream_failed
 from kvstream.gateway.options import GatewayOptions
 from kvstream.gateway.request_body import TOKEN_END, Endpoint, OpenAIRequest
 from kvstream.gateway.seams import PromptTokenizer, WorkerEndpoint
@@ -32,6 +32,14 @@ class _Tokenized(msgspec.Struct):
 
 
 _TOKENIZED = msgspec.json.Decoder(_Tokenized)
+
+
+class _EngineDown(Exception):
+    """An engine that could not tokenize (unreachable, 5xx): another may."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class PromptIds:
@@ -57,7 +65,16 @@ class PromptIds:
         if given is not None:
             return given
         if self.options.tokenize == "engine":
-            return await self._engine_ids(req, endpoints[0], session)
+            # One engine asked; another only when it cannot answer (down, 5xx), as a
+            # request is retried elsewhere: at most 1 + retries of them.
+            failure: ApiError | None = None
+            for ep in endpoints[: 1 + self.options.retries]:
+                try:
+                    return await self._engine_ids(req, ep, session)
+                except _EngineDown as exc:
+                    failure = exc.error
+            assert failure is not None
+            raise failure
         tokenizer = self._tokenizer(req.model, endpoints)
         if tokenizer is None:
             raise bad_request(
@@ -99,10 +116,12 @@ class PromptIds:
         try:
             async with session.post(f"{ep.url}/tokenize", data=orjson.dumps(body), headers=headers, timeout=timeout) as resp:
                 answer = await resp.read()
-                if resp.status != 200:
-                    raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}")
+                if resp.status >= 500:
+                    raise _EngineDown(upstream_failed(502, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}"))
+                if resp.status != 200:  # the engine refuses this prompt: no other would take it
+                    raise upstream_failed(resp.status, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize failed: {type(exc).__name__}: {exc}") from None
+            raise _EngineDown(upstream_failed(502, f"worker {ep.worker_id}'s /tokenize failed: {type(exc).__name__}: {exc}")) from None
         try:
             return _TOKENIZED.decode(answer).tokens
         except msgspec.DecodeError:  # not JSON, or no token ids under "tokens"

@@ -221,6 +221,19 @@ def test_text_is_tokenized_by_one_engine_when_asked(replica: Replica, prompt_tok
         assert orjson.loads(asked[0].requests("/tokenize")[0].body) == {"model": MODEL, "prompt": text}
 
 
+def test_tokenizing_moves_on_from_an_engine_that_is_down(replica: Replica, prompt_tokenizer) -> None:
+    """The fleet bench's killed engine: its bridge still heartbeats, so it is still a
+    candidate; tokenizing must not fail the request there."""
+    text = "A prompt for an engine that died a moment ago, long enough for blocks. " * 6
+    token_ids = prompt_tokenizer.completion_ids(text)
+    alive = Backend("alive", tokenize=prompt_tokenizer.completion_ids)
+    with running(alive) as (b,), serving(replica, ["http://127.0.0.1:9", b], tokenize="engine") as s:
+        publish_prefix(replica, s.ids[1], token_ids)
+        r = s.client().completions.with_raw_response.create(model=MODEL, prompt=text)
+        assert r.headers["x-kvstream-worker"] == str(s.ids[1])
+        assert len(b.requests("/tokenize")) == 1
+
+
 def test_the_engines_own_4xx_comes_back_as_it_is_and_is_not_retried(replica: Replica) -> None:
     with running(Backend("a", mode="reject"), Backend("b", mode="reject")) as (a, b), serving(replica, [a, b]) as s:
         with pytest.raises(openai.BadRequestError) as err:
