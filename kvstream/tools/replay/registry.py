@@ -34,10 +34,11 @@ def registry_at(settings: Settings, at_ms: int, progress: bool | None = None) ->
     try:
         with LogReader(settings, "workers") as reader:
             end = reader.offsets_after(at_ms)
-            for rec in reader.read(dict(reader.low), end, progress=progress, desc="workers"):
-                registry.apply(rec.key, rec.value)
-            for rec in reader.read(end, dict(reader.high), progress=progress, desc="workers after"):
-                if rec.key is not None and len(rec.key) == 8:
+            # One pass over the (small) topic: the prefix up to T is folded, the rest noted.
+            for rec in reader.read(dict(reader.low), dict(reader.high), progress=progress, desc="workers"):
+                if rec.offset < end[rec.partition]:
+                    registry.apply(rec.key, rec.value)
+                elif rec.key is not None and len(rec.key) == 8:
                     later.add(int.from_bytes(rec.key, "big"))
     except TopicMissingError:
         return RegistryAt(frozenset(), frozenset(), "no worker registry topic: no worker registered")
