@@ -16,6 +16,7 @@ from confluent_kafka import Producer
 
 from kvstream.kafka.config import producer_config
 from kvstream.settings import Settings
+from kvstream.worker.announce import register_synthetic
 
 from tests.faults.helpers import free_port, rss_mib, spawn_router, stop_process, wait_http
 from tests.replica.helpers import FakeWorkerLog
@@ -99,6 +100,7 @@ def _total_lag(base: str) -> int:
 def test_sustained_load_memory_and_burst_lag(kafka_topics_factory, tmp_path: Path) -> None:
     settings = kafka_topics_factory(events_partitions=4)
     stream = WorkerStream(workers=8, seed=6)
+    register_synthetic(settings, [log.worker_id for log in stream.logs])
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = spawn_router(settings, port, tmp_path / "router.log", snapshot_dir=tmp_path / "snap",
