@@ -105,7 +105,8 @@ class ReplicaProcess:
 
     def blocks_view(self) -> dict:
         workers = httpx.get(self.url + "/v1/workers", timeout=10).json()["workers"]
-        return {w: v["ranks"] for w, v in workers.items()}
+        # The workers of the fold (a registered worker is listed before its first event).
+        return {w: v["ranks"] for w, v in workers.items() if "epoch" in v}
 
 
 @dataclass
@@ -138,10 +139,13 @@ def workload(requests: int, seed: int) -> list[list[int]]:
 
 @contextmanager
 def nodes(settings: Settings, count: int, work: Path, tag: str) -> Iterator[dict[int, object]]:
+    from kvstream.worker.announce import register_synthetic
     from kvstream.worker.node import SyntheticNode, SyntheticNodeOptions
     from kvstream.worker.publisher import PublisherOptions
 
     made: dict[int, SyntheticNode] = {}
+    # Registered, as `kvstream worker` registers them: the replicas admit no others.
+    register_synthetic(settings, range(1, count + 1))
     try:
         for wid in range(1, count + 1):
             disk = work / f"{tag}-disk"
