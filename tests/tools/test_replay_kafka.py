@@ -432,7 +432,8 @@ def test_explain_admits_the_workers_the_live_replica_admitted(kafka_topics: Sett
     assert {c["worker_id"] for c in after["candidates"]} == {1, 2, 3}  # registered now
     res = run(kafka_topics, "explain", "--request-id", "cold")
     assert res.exit_code == 0, res.output
-    assert by_worker(out_json(res)) == by_worker(live)
+    # The same candidates, scored alike (a cold prompt ties: the winner is drawn at random).
+    assert by_worker(out_json(res))["candidates"] == by_worker(live)["candidates"]
     body = tmp_path / "request.json"
     body.write_text(json.dumps({"token_ids": cold, "explain": True}))
     res = run(kafka_topics, "explain", "--at", format_time(t), "--tokens-file", str(body))
