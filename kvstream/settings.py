@@ -94,6 +94,12 @@ class RouterSettings(Section):
     ttft_rate_scope: Literal["fleet", "worker"] = "fleet"
     #: kv decisions and load in the compiled core (false: the Python reference model).
     compiled: bool = True
+    #: Only workers with a live registration on kvstream.workers (or listed in
+    #: ``[[gateway.workers]]``) may win a ``POST /v1/route``: a worker id that only ever
+    #: published events is a phantom (kvstream.replica.admission). Turn it off only for a
+    #: fleet whose bridges do not register; every replica and ``kvstream replay`` of a
+    #: deployment must agree on it.
+    require_registration: bool = True
 
 
 class ReplicaSettings(Section):

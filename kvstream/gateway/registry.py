@@ -176,6 +176,7 @@ class WorkerRegistry:
         self._regs: dict[int, Registration] = {}
         self._endpoints: tuple[WorkerEndpoint, ...] = ()
         self._by_id: dict[int, WorkerEndpoint] = {}
+        self._ids: frozenset[int] = frozenset()
         self.skipped: Counter[str] = Counter()
         self.applied = 0
 
@@ -219,6 +220,7 @@ class WorkerRegistry:
         eps = [ep for wid in sorted(self._regs) if (ep := self._regs[wid].endpoint()) is not None]
         self._endpoints = tuple(eps)
         self._by_id = {ep.worker_id: ep for ep in eps}
+        self._ids = frozenset(self._regs)
 
     # -- WorkerDirectory ---------------------------------------------------------------
 
@@ -230,6 +232,10 @@ class WorkerRegistry:
         return self._by_id.get(worker_id)
 
     # -- views -------------------------------------------------------------------------
+
+    def worker_ids(self) -> frozenset[int]:
+        """Every registered worker's id, routable or not (swapped whole: no lock)."""
+        return self._ids
 
     def registration(self, worker_id: int) -> Registration | None:
         with self._lock:

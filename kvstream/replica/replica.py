@@ -48,6 +48,7 @@ from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.admission import admission_from_settings
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import AmbiguousRequestError, RecoveryError
 from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
@@ -162,6 +163,8 @@ class Replica:
         self.registry = WorkerRegistry(RegistrationCodec(self.codec))
         self._registry_next: dict[int, int] = {}
         self._registry_loaded = threading.Event()
+        #: Who may win a /v1/route: registered workers (kvstream.replica.admission).
+        self.admission = admission_from_settings(settings)
         self.metrics = ReplicaMetrics()
         self.lock = threading.RLock()
         self.events_topic = settings.topics.name("events")
@@ -737,6 +740,10 @@ class Replica:
 
     # -- worker registry -------------------------------------------------------------
 
+    def registry_positions(self) -> dict[int, int]:
+        """Per partition of kvstream.workers, the next offset the registry folds."""
+        return dict(self._registry_next)
+
     def _workers_loop(self) -> None:
         """Fold ``kvstream.workers`` into :attr:`registry`: the whole compacted topic from
         its start, then what follows. A restarted loop resumes where the last one left."""
@@ -898,13 +905,16 @@ class Replica:
         candidates: Sequence[WorkerKey] | None = None,
         share: bool = True,
     ) -> RouteDecision:
-        """Route a prompt (Router.find_best_match: ``candidates`` limits who competes)
-        and share the load it adds; with ``share=False`` the caller shares
-        ``decision.op`` itself (:meth:`share`), e.g. once its request has left."""
+        """Route a prompt (Router.find_best_match: ``candidates`` limits who competes;
+        None: the admitted workers, kvstream.replica.admission) and share the load it
+        adds; with ``share=False`` the caller shares ``decision.op`` itself
+        (:meth:`share`), e.g. once its request has left."""
         # Tracked under this replica's scope (kvstream.replica.request_ids): a peer's
         # request with the same client id is another request.
         key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
+            if candidates is None:
+                candidates = self.admission.candidates(self.router.index, self.registry.worker_ids())
             decision = self.router.find_best_match(
                 token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm,
                 candidates=candidates,

@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import get_context
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import anyio
 import msgspec
@@ -70,16 +70,34 @@ PARSE_APART_BYTES = 1 << 20
 Parsed = tuple[RouteQuery, list[int] | bytes]
 
 
+#: Why a route names neither a request id nor query_only: the caller would place a request
+#: whose load nobody counts (and that no prefill_done or DELETE can name).
+UNCOUNTED = (
+    "a route needs a request_id (the request's load is counted on every replica until its DELETE, "
+    "or request_ttl_s) or query_only: true (a question: no load is added)"
+)
+
+
+_Fields = TypeVar("_Fields", bound=RouteQuery)
+
+
+def counted(fields: _Fields) -> _Fields:
+    """``fields``, when they say how the route counts; InvalidRequest otherwise."""
+    if fields.request_id is None and not fields.query_only:
+        raise InvalidRequest([{"loc": "$.request_id", "msg": UNCOUNTED}])
+    return fields
+
+
 def binary_route(raw: bytes, params: Iterable[tuple[str, str]]) -> Parsed:
     """A binary route request: its query fields, and its body still packed (the core
     checks it: whole u32s)."""
     if len(raw) > 4 * MAX_TOKENS:
         raise HTTPException(413, f"prompt of {len(raw)} bytes exceeds {MAX_TOKENS} tokens")
-    return route_body.from_query(params), raw
+    return counted(route_body.from_query(params)), raw
 
 
 def json_route(raw: bytes) -> Parsed:
-    body = route_body.from_json(raw)
+    body = counted(route_body.from_json(raw))
     return body, body.token_ids
 
 
@@ -87,7 +105,7 @@ def parse_apart(raw: bytes) -> tuple[RouteRequest, bytes] | list[dict[str, str]]
     """In a child process: the validated body, with its token ids packed as u32 (so that
     no million Python ints cross back), or why it is invalid."""
     try:
-        body = route_body.from_json(raw)
+        body = counted(route_body.from_json(raw))
     except InvalidRequest as exc:
         return exc.details
     return msgspec.structs.replace(body, token_ids=[]), array("I", body.token_ids).tobytes()

@@ -139,6 +139,10 @@ class TieredIndex:
     def knows(self, worker_id: int) -> bool:
         return worker_id in self._ranks
 
+    def keys_of(self, worker_id: int) -> list[WorkerKey]:
+        """Every rank the index knows of a worker (none when it knows none)."""
+        return [WorkerKey(worker_id, r) for r in sorted(self._ranks.get(worker_id, ()))]
+
     def remove_worker(self, worker_id: int) -> list[WorkerKey]:
         """Forget a worker (every rank, every tier): O(its blocks); returns the keys
         removed."""

@@ -13,6 +13,7 @@ with its new epoch.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
@@ -87,3 +88,26 @@ class WorkerAnnouncer:
 
     def close(self) -> None:
         self._producer.flush(1.0)
+
+
+def register_synthetic(settings: Settings, worker_ids: Iterable[int], block_size: int = 16, timeout_s: float = 30.0) -> None:
+    """Register workers that have no engine URL (synthetic logs of benchmarks and tests),
+    as ``kvstream worker --engine synthetic`` does, so that the routers admit them
+    (kvstream.replica.admission); RegistryTopicError when Kafka does not take them all."""
+    codec = RegistrationCodec()
+    topic = settings.topics.name("workers")
+    producer = Producer(producer_config(settings, **{"linger.ms": 5}))
+    errors: list[KafkaError] = []
+    now = int(time.time() * 1000)
+    try:
+        for wid in dict.fromkeys(worker_ids):
+            reg = Registration(wid, None, (), (), block_size, (0,), "synthetic", None, 0, now)
+            producer.produce(topic, key=worker_key(wid), value=codec.encode(reg), timestamp=now,
+                             on_delivery=lambda err, _msg: errors.append(err) if err else None)
+            producer.poll(0)
+    except (KafkaException, BufferError) as exc:
+        raise RegistryTopicError(f"worker registration refused: {exc}") from None
+    if producer.flush(timeout_s) or errors:
+        raise RegistryTopicError(
+            f"worker registrations not acknowledged by Kafka: {errors[0].str() if errors else 'timed out'}"
+        )

@@ -25,6 +25,7 @@ from kvstream.replica.replica import ReplicaOptions
 from kvstream.replica.route_body import FIELDS
 from kvstream.replica.service import create_app
 from kvstream.settings import FoldSettings, Settings
+from kvstream.worker.announce import register_synthetic
 
 from tests.faults.helpers import agrees_with_log, comparable
 from tests.replica.helpers import FakeWorkerLog, new_fold
@@ -195,6 +196,7 @@ def test_fuzzed_records_and_requests(kafka_topics_factory) -> None:
     duplicates = [(w := FakeWorkerLog(REAL)).batch(w.cleared(), w.stored(tokens)) for _ in range(200)]
     gen_s = time.monotonic() - started
 
+    register_synthetic(s, [REAL])  # the fuzzed workers never register
     r = start(s)
     try:
         p = Producer(producer_config(s, **{"message.max.bytes": 1_000_000}))

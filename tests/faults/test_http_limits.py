@@ -35,6 +35,7 @@ from kvstream.replica.peer import fetch_peer_snapshot, receive_snapshot, stream_
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter
 from kvstream.settings import Settings, TopicSettings
+from kvstream.worker.announce import register_synthetic
 
 from tests.faults.helpers import KVSTREAM, ROOT, free_port, router_env, rss_mib, stop_process, wait_http
 from tests.replica.helpers import FakeWorkerLog, new_fold
@@ -69,6 +70,7 @@ def big_worker_records() -> list[bytes]:
 
 
 def produce(settings: Settings, records: list[tuple[int, bytes]]) -> None:
+    register_synthetic(settings, [wid for wid, _ in records])  # as `kvstream worker` does
     p = Producer(producer_config(settings, **{"message.max.bytes": 2_000_000}))
     for wid, value in records:
         p.produce(settings.topics.name("events"), value=value, key=wid.to_bytes(8, "big"))

@@ -177,6 +177,8 @@ def test_phantom_workers_are_refused_by_the_allow_list_and_bounded_without_it(ka
             # (issue 28); the real worker, which holds blocks, is never displaced.
             assert 73 in b.fold.workers and b.fold.counters[TOO_MANY_WORKERS] == 0
             assert b.fold.counters[DISPLACED] == PHANTOMS + 1 - admitted
+        # The admitted phantoms were never registered: none is a routing candidate.
+        assert _uncached_routes(b, 40) == {73: 40}
         assert a.metrics.dlq._value.get() == PHANTOMS
     finally:
         a.stop()

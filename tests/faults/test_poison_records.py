@@ -33,6 +33,7 @@ from kvstream.replica.fold import BAD_HEADER, TICK_HEADER
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
 from kvstream.settings import Settings
+from kvstream.worker.announce import register_synthetic
 
 from tests.faults.helpers import agrees_with_log, comparable
 from tests.replica.helpers import FakeWorkerLog
@@ -193,6 +194,7 @@ BURST = 200_000
 def test_burst_keeps_a_live_replica_routing(kafka_topics_factory) -> None:
     s: Settings = kafka_topics_factory(events_partitions=4)
     real = FakeWorkerLog(7)
+    register_synthetic(s, [7])  # the real worker registers; the poison's ids never do
     p = Producer(producer_config(s, **{"linger.ms": 50, "batch.num.messages": 10_000}))
     topic = s.topics.name("events")
     p.produce(topic, real.batch(real.cleared(), real.stored(TOKENS)), key=(7).to_bytes(8, "big"))

@@ -659,3 +659,68 @@ def test_phantoms_cannot_crowd_out_an_honest_worker(kafka_topics: Settings, tmp_
     assert held == epoch_truth(kafka_topics, 85, pub.epoch) and len(held) == 9
     assert max(per_partition.values()) == 1024
     agrees_with_log(r2, kafka_topics)  # restored from a snapshot: the same phantoms displaced
+
+
+# -- 1 (the candidates' part): a phantom never wins a route -------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_phantoms_never_win_a_route(kafka_topics: Settings, tmp_path: Path) -> None:
+    """20,000 `cleared` records from made-up ids (lease 2^63-1), never registered: no
+    uncached prompt routes to one of them, before or after a restart; an honest worker
+    that registers (as `kvstream worker` does) is admitted and wins them all."""
+    from fastapi.testclient import TestClient
+
+    from kvstream.gateway.registry import Registration
+    from kvstream.replica.service import create_app
+    from kvstream.worker.announce import WorkerAnnouncer
+
+    phantoms = range(300_000, 320_000)
+    lease = (1 << 63) - 1
+    _produce_raw(kafka_topics, [EventBatch(w, 1, lease, (Cleared(w, 0, D, 1, 0),)) for w in phantoms])
+    snap = tmp_path / "snap"
+    rng = __import__("random").Random(28)
+
+    def uncached(client: TestClient, n: int = 40) -> list[httpx.Response]:
+        return [client.post("/v1/route", json={"token_ids": [rng.randrange(50_000) for _ in range(64)],
+                                               "request_id": f"p{rng.getrandbits(48):x}"}) for _ in range(n)]
+
+    r = start(kafka_topics, snapshot_dir=snap)
+    pub, cons = publisher(kafka_topics, 77, listen_control=False)
+    try:
+        wait_caught_up(r, kafka_topics)
+        client = TestClient(create_app(r))
+        before = uncached(client)
+        # No registered worker yet: refused, with the reason, never a phantom.
+        assert {a.status_code for a in before} == {503}
+        assert "no registered worker" in before[0].json()["error"]
+        announcer = WorkerAnnouncer(kafka_topics, Registration(77, None, (), (), 16, (0,), "synthetic", None,
+                                                              pub.epoch, int(time.time() * 1000)))
+        announcer.announce()
+        announcer.close()
+        store(cons, 100, 6)
+        assert pub.flush(30) == 0
+        wait_caught_up(r, kafka_topics)
+        with r.lock:
+            assert len(blocks(r.fold, 77)) == 6 and len(r.fold.workers) > 4_000  # the phantoms are folded
+        live = uncached(client)
+        assert all(a.status_code == 200 for a in live), live[0].text
+        won = {a.json()["worker_id"] for a in live}
+    finally:
+        r.stop()
+    assert won == {77}
+    _produce_raw(kafka_topics, [EventBatch(w, 1, lease, (Cleared(w, 0, D, 1, 0),)) for w in range(400_000, 401_000)])
+    chain(cons, 200, 3)
+    assert pub.flush(30) == 0
+    r2 = start(kafka_topics, snapshot_dir=snap)
+    try:
+        wait_caught_up(r2, kafka_topics)
+        after = uncached(TestClient(create_app(r2)))
+        assert all(a.status_code == 200 for a in after), after[0].text
+        won_after = {a.json()["worker_id"] for a in after}
+        assert r2.registry.worker_ids() == {77}
+    finally:
+        r2.stop()
+        pub.close()
+    assert won_after == {77}
+    print(f"FAULTS phantoms=21000 registered=1 uncached_routes=80 to_phantoms=0 before_registration=503x40")

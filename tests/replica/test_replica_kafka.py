@@ -13,6 +13,7 @@ from kvstream.events.codec import AvroCodec
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.settings import Settings
+from kvstream.worker.announce import register_synthetic
 
 from tests.replica.helpers import FakeWorkerLog
 from tests.replica.test_snapshot import matches, random_log, state
@@ -20,7 +21,11 @@ from tests.replica.test_snapshot import matches, random_log, state
 pytestmark = pytest.mark.kafka
 
 
-def produce(settings: Settings, records: list[tuple[int, bytes | None]]) -> None:
+def produce(settings: Settings, records: list[tuple[int, bytes | None]], *, register: bool = True) -> None:
+    """The records, keyed by worker; ``register``: each worker registered first, as
+    ``kvstream worker`` does (the routers admit registered workers only)."""
+    if register:
+        register_synthetic(settings, [wid for wid, _ in records])
     p = Producer(producer_config(settings))
     for wid, value in records:
         p.produce(settings.topics.name("events"), value=value, key=wid.to_bytes(8, "big"))
@@ -38,9 +43,9 @@ def log_records(seed: int) -> tuple[list[tuple[int, bytes]], list[list[int]]]:
     return codec_worker, prefixes
 
 
-def high_watermarks(settings: Settings) -> dict[int, int]:
+def high_watermarks(settings: Settings, role: str = "events") -> dict[int, int]:
     c = Consumer(consumer_config(settings))
-    topic = settings.topics.name("events")
+    topic = settings.topics.name(role)
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
@@ -49,11 +54,15 @@ def high_watermarks(settings: Settings) -> dict[int, int]:
 
 
 def wait_caught_up(replica: Replica, settings: Settings, timeout: float = 60) -> None:
+    """Until the replica has folded the events and the registrations written so far."""
     target = high_watermarks(settings)
+    registry = high_watermarks(settings, "workers")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         offsets = replica.positions()  # a partition with nothing new stays where it started
-        if all(offsets.get(p, 0) >= hw for p, hw in target.items() if hw > 0):
+        if all(offsets.get(p, 0) >= hw for p, hw in target.items() if hw > 0) and all(
+            replica.registry_positions().get(p, 0) >= hw for p, hw in registry.items() if hw > 0
+        ):
             return
         time.sleep(0.05)
     raise AssertionError(f"replica did not catch up: {offsets} < {target}")

@@ -6,6 +6,7 @@ import http.client
 import socket
 import threading
 import time
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -97,8 +98,23 @@ def test_not_json_and_no_eligible_worker(served) -> None:
     for raw, reason in ((b"{not json", "malformed"), (b"", "truncated"), (b"[1, 2]", "Expected `object`")):
         r = client.post("/v1/route", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 422 and reason in r.text, r.text
-    r = client.post("/v1/route", json={"token_ids": TOKENS, "weights": {"allowed_workers": [99]}})
+    r = client.post("/v1/route", json={"token_ids": TOKENS, "query_only": True, "weights": {"allowed_workers": [99]}})
     assert r.status_code == 503 and "error" in r.json()
+
+
+def test_a_route_says_how_it_counts(served) -> None:
+    """A route is a placement (request_id: load counted until DELETE) or a question
+    (query_only): one that is neither would weigh nowhere, and is refused."""
+    _, client = served
+    for refused in (client.post("/v1/route", json={"token_ids": TOKENS}),
+                    client.post("/v1/route", content=array("I", TOKENS).tobytes(),
+                                headers={"content-type": "application/octet-stream"})):
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["details"][0]["loc"] == "$.request_id"
+        assert "query_only" in refused.json()["details"][0]["msg"]
+    assert client.post("/v1/route", json={"token_ids": TOKENS, "query_only": True}).status_code == 200
+    assert client.post("/v1/route", json={"token_ids": TOKENS, "request_id": "counted-1"}).json()["request_id"] == "counted-1"
+    assert client.delete("/v1/requests/counted-1").status_code == 200
 
 
 def test_auth_health_ready_metrics_workers(served) -> None:
@@ -130,7 +146,7 @@ def test_route_refused_until_ready(served) -> None:
     replica, client = served
     replica._ready.clear()
     try:
-        assert client.post("/v1/route", json={"token_ids": TOKENS}).status_code == 503
+        assert client.post("/v1/route", json={"token_ids": TOKENS, "query_only": True}).status_code == 503
         assert client.get("/readyz").status_code == 503
     finally:
         replica._ready.set()

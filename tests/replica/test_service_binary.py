@@ -39,7 +39,8 @@ def test_binary_body_decides_as_json_and_tracks_the_request(served) -> None:  # 
 @pytest.mark.parametrize(
     ("path", "body", "status", "reason"),
     [
-        ("/v1/route", b"\x01\x00\x00\x00\x02\x00", 400, "not a multiple of 4"),
+        ("/v1/route?query_only=true", b"\x01\x00\x00\x00\x02\x00", 400, "not a multiple of 4"),
+        ("/v1/route", packed([1, 2]), 422, "a route needs a request_id"),
         ("/v1/route?bogus=1", packed([1, 2]), 422, "bogus"),
         ("/v1/route?request_id=", packed([1, 2]), 422, "request_id"),
         ("/v1/route?query_only=maybe", packed([1, 2]), 422, "query_only"),

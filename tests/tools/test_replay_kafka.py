@@ -26,6 +26,7 @@ from kvstream.settings import Settings
 from kvstream.tools.replay.cli import replay
 from kvstream.tools.replay.reader import format_time
 from kvstream.tools.replay.rebuild import rebuild_at
+from kvstream.worker.announce import register_synthetic
 
 from tests.replica.helpers import FakeWorkerLog
 from tests.replica.test_replica_kafka import high_watermarks, log_records, produce, start, wait_caught_up
@@ -400,3 +401,41 @@ def test_follow_tails_the_live_log_and_stops_cleanly_on_ctrl_c(kafka_topics: Set
             proc.kill()
     assert proc.returncode == 130
     assert "Traceback" not in err
+
+
+def test_explain_admits_the_workers_the_live_replica_admitted(kafka_topics: Settings, tmp_path: Path) -> None:
+    """Phantoms (`cleared` only, never registered) are folded but never candidates: live
+    and in replay, which folds kvstream.workers up to the decision's time; worker 3,
+    which published before the decision and registered only after it, is a candidate
+    of neither decision."""
+    a = list(range(2000, 2000 + 16 * 3))
+    w1, w2, w3 = FakeWorkerLog(1, lease_ms=LEASE), FakeWorkerLog(2, lease_ms=LEASE), FakeWorkerLog(3, lease_ms=LEASE)
+    produce(kafka_topics, [(1, w1.batch(w1.cleared(), w1.stored(a))), (2, w2.batch(w2.cleared(), w2.stored(a[:16])))])
+    phantoms = [FakeWorkerLog(wid, lease_ms=LEASE) for wid in range(900, 920)]
+    produce(kafka_topics, [(p.worker_id, p.batch(p.cleared())) for p in [*phantoms, w3]], register=False)
+    cold = list(range(50_000, 50_064))
+    replica = start(kafka_topics)
+    try:
+        settle(replica, kafka_topics)
+        live = decision_dict(replica.route(cold, request_id="cold"), explain=True)
+        time.sleep(0.01)
+        t = now_ms()
+        time.sleep(0.01)
+        register_synthetic(kafka_topics, [3])
+        settle(replica, kafka_topics)
+        with replica.lock:
+            assert len(replica.fold.workers) == 23
+        after = decision_dict(replica.route(cold, request_id="later", query_only=True), explain=True)
+    finally:
+        replica.stop()
+    assert {c["worker_id"] for c in live["candidates"]} == {1, 2}
+    assert {c["worker_id"] for c in after["candidates"]} == {1, 2, 3}  # registered now
+    res = run(kafka_topics, "explain", "--request-id", "cold")
+    assert res.exit_code == 0, res.output
+    # The same candidates, scored alike (a cold prompt ties: the winner is drawn at random).
+    assert by_worker(out_json(res))["candidates"] == by_worker(live)["candidates"]
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps({"token_ids": cold, "explain": True}))
+    res = run(kafka_topics, "explain", "--at", format_time(t), "--tokens-file", str(body))
+    assert res.exit_code == 0, res.output
+    assert {c["worker_id"] for c in out_json(res)["candidates"]} == {1, 2}

@@ -42,6 +42,7 @@ from kvstream.settings import Settings
 from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
 from kvstream.tools.bench.index import make_workload
 from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
+from kvstream.worker.announce import register_synthetic
 from kvstream.tools.bench.restart import replica_options, worker_log
 from kvstream.tools.bench.loadgen import ensure_oha, ensure_wrk, run_oha, run_wrk
 
@@ -241,6 +242,7 @@ def http_bench(
     bodies = [orjson.dumps({"token_ids": p, "query_only": True}) for p in prompts]
     with kafka_env(bootstrap, events_partitions=partitions) as settings:
         produce_records(settings, records, "writing the log")
+        register_synthetic(settings, (wid for wid, _ in records))  # routers admit registered workers only
         # The default readiness threshold: the replica's own log-clock ticks must not make
         # it refuse requests while the clients run.
         replica = Replica(settings, replace(replica_options(None), ready_max_lag=ReplicaOptions().ready_max_lag))

@@ -10,6 +10,10 @@ the live ``POST /v1/route`` returns with ``"explain": true``.
 
 With ``--request-id``, the request's ADD op gives T, the prompt (its sequence hashes
 and length) and the worker the live router chose; the load is every op before it.
+
+The candidates are those the live replica admitted (kvstream.replica.admission): the
+workers registered on ``kvstream.workers`` as of T (kvstream.tools.replay.registry) or
+in ``[[gateway.workers]]``, unless ``[router] require_registration`` is off.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from kvstream.events.errors import DecodeError
 from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.admission import admission_from_settings
 from kvstream.replica.request_ids import unscoped
 from kvstream.replica.route_body import InvalidRequest, RouteRequest, from_doc, overrides
 from kvstream.router.active import ActiveOp, AddRequest
@@ -33,6 +38,7 @@ from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, SourceError
 from kvstream.tools.replay.reader import LogReader, format_time
 from kvstream.tools.replay.rebuild import rebuild_at
+from kvstream.tools.replay.registry import RegistryAt, registry_at
 
 #: Active-op records are stamped by the broker client a moment after the op's own time:
 #: read this much (ms) beyond both ends of the window, then select by the op's time.
@@ -130,12 +136,14 @@ def load_request(path: Path) -> RouteRequest:
         raise SourceError(f"{path}: {exc}") from None
 
 
-def _decide_from_hashes(router: Router, add: AddRequest, now: float) -> RouteDecision:
+def _decide_from_hashes(
+    router: Router, add: AddRequest, now: float, candidates: Sequence[WorkerKey] | None
+) -> RouteDecision:
     """Score a logged request from its sequence hashes (the log keeps no token ids),
     query-only: the index matches on sequence hashes, so they stand in for the local
     hashes too."""
     seqs = add.sequence_hashes
-    schedule = router.schedule_hashes(add.isl, seqs, seqs, None, now)
+    schedule = router.schedule_hashes(add.isl, seqs, seqs, None, now, candidates=candidates)
     worker = schedule.candidates.workers[schedule.chosen]
     return RouteDecision(worker, unscoped(add.request_id), add.isl, len(seqs), schedule, None)
 
@@ -147,6 +155,19 @@ def _score(fn: Any) -> RouteDecision:
         raise ReplayError(f"no worker could take the request at that time: {exc}") from None
     except (SchedulerConfigError, ValueError) as exc:
         raise ReplayError(f"cannot score the request: {exc}") from None
+
+
+def _admitted(settings: Settings, router: Router, registry: RegistryAt) -> tuple[list[WorkerKey] | None, list[str]]:
+    """The candidates the live rule gives (NoEligibleWorkerError when none), and notes."""
+    candidates = admission_from_settings(settings).candidates(router.index, registry.registered)
+    if candidates is None:
+        return None, ["every indexed worker competes ([router] require_registration = false)"]
+    hidden = sorted(w for w in registry.later if router.index.knows(w))
+    notes = [registry.note]
+    if hidden:
+        notes.append(f"workers {hidden[:16]} registered only after that time on the compacted registry: "
+                     "an earlier registration may have been compacted away")
+    return candidates, notes
 
 
 def explain_at(
@@ -163,12 +184,15 @@ def explain_at(
     ttl_ms = int(router.config.request_ttl_s * 1000)
     ops, bad = read_ops(settings, at_ms - ttl_ms, at_ms, progress)
     refused = apply_ops(router, ops, rebuilt.removals)
+    registry = registry_at(settings, at_ms, progress)
+    candidates, admitted = _score(lambda: _admitted(settings, router, registry))
     decision = _score(
         lambda: router.find_best_match(
-            req.token_ids, req.lora_name, req.request_id, query_only=True, overrides=overrides(req)
+            req.token_ids, req.lora_name, req.request_id, query_only=True, overrides=overrides(req),
+            candidates=candidates,
         )
     )
-    notes = [f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes,
+    notes = [f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes, *admitted,
              f"load from {len(ops)} active ops ({refused} refused, {bad} undecodable)"]
     return Explained(decision_dict(decision, explain=True), at_ms, notes)
 
@@ -189,18 +213,20 @@ def find_request(ops: list[LoggedOp], request_id: str) -> LoggedOp:
 
 
 def decide_logged(
-    router: Router, removals: Sequence[tuple[int, int]], ops: list[LoggedOp], logged: LoggedOp
+    router: Router, removals: Sequence[tuple[int, int]], ops: list[LoggedOp], logged: LoggedOp,
+    candidates: Sequence[WorkerKey] | None = None,
 ) -> tuple[RouteDecision, list[LoggedOp], int]:
     """The decision for the logged request ``logged`` given the fold as of its time
-    (``router``, and the expiries it saw): the load is the ops of the TTL before it.
-    Returns the decision, the ops applied and how many of them were refused."""
+    (``router``, and the expiries it saw) among ``candidates`` (None: every indexed
+    worker): the load is the ops of the TTL before it. Returns the decision, the ops
+    applied and how many of them were refused."""
     add = logged.op
     assert isinstance(add, AddRequest)
     at_ms = logged.timestamp_ms
     ttl_ms = int(router.config.request_ttl_s * 1000)
     before = [o for o in ops if at_ms - ttl_ms <= o.timestamp_ms and o.order < logged.order]
     refused = apply_ops(router, before, removals)
-    return _score(lambda: _decide_from_hashes(router, add, at_ms / 1000)), before, refused
+    return _score(lambda: _decide_from_hashes(router, add, at_ms / 1000, candidates)), before, refused
 
 
 def explain_request(
@@ -217,9 +243,11 @@ def explain_request(
     assert isinstance(add, AddRequest)
     at_ms = logged.timestamp_ms
     rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress)
-    decision, before, refused = decide_logged(rebuilt.fold.router, rebuilt.removals, ops, logged)
+    router = rebuilt.fold.router
+    candidates, admitted = _score(lambda: _admitted(settings, router, registry_at(settings, at_ms, progress)))
+    decision, before, refused = decide_logged(router, rebuilt.removals, ops, logged, candidates)
     notes = [f"request routed at {format_time(at_ms)} by {logged.replica_id}",
-             f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes,
+             f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes, *admitted,
              f"load from {len(before)} active ops ({refused} refused, {bad} undecodable)"]
     live = WorkerKey(add.worker_id, add.dp_rank)
     if decision.worker != live:
