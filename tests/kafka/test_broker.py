@@ -23,7 +23,7 @@ from kvstream.kafka.local_broker import (
     start_local_cluster,
     stop_local_cluster,
 )
-from kvstream.kafka.topics import ensure_topics
+from kvstream.kafka.topics import ROLES, ensure_topics
 from kvstream.settings import Settings, TopicSettings
 
 
@@ -76,9 +76,9 @@ def test_cli_start_stop_leaves_no_process(tmp_path: Path, monkeypatch: pytest.Mo
         assert resolve_bootstrap(Settings(bootstrap=None)) == bootstrap
         created = runner.invoke(cli, ["topics", "create"])
         assert created.exit_code == 0, created.output
-        assert created.stdout.count("created") == 4
+        assert created.stdout.count("created") == len(ROLES)
         described = runner.invoke(cli, ["topics", "describe"])
-        assert described.exit_code == 0 and described.stdout.count("exists") == 4
+        assert described.exit_code == 0 and described.stdout.count("exists") == len(ROLES)
     finally:
         stopped = runner.invoke(cli, ["broker", "stop"])
     assert stopped.exit_code == 0, stopped.output
