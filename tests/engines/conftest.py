@@ -26,6 +26,7 @@ from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router.index import NO_OVERLAP, TierOverlap, WorkerKey
 from kvstream.settings import Settings, TopicSettings
+from kvstream.worker.announce import register_synthetic
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
 from kvstream.worker.publisher import PublisherOptions
@@ -221,7 +222,20 @@ class Rig:
         self.node = EngineNode(self.env.settings, self.options)
         self.node.start()
         self.resume_worker()
+        self._register()
         return self.node
+
+    def _register(self) -> None:
+        """Registered as `kvstream worker` registers its bridge: routing admits only
+        registered workers (kvstream.replica.admission)."""
+        registry = self.env.replica.registry
+        if registry.registration(self.worker_id) is not None:
+            return
+        register_synthetic(self.env.settings, [self.worker_id])
+        deadline = time.monotonic() + 30
+        while registry.registration(self.worker_id) is None:
+            assert time.monotonic() < deadline, f"worker {self.worker_id}'s registration never reached the replica"
+            time.sleep(0.02)
 
     def pause_worker(self) -> None:
         """The worker stops reading (its sockets stay connected and fill up)."""

@@ -8,14 +8,12 @@ one engine's own (vLLM offload placeholders, extra_keys...) name it.
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import replace
 
 from kvstream.events.model import Tier
 from kvstream.hashing import MmSpan, local_hashes, sequence_hashes
 from kvstream.router.index import NO_OVERLAP, TierOverlap, WorkerKey
 from kvstream.router.scheduler import SchedulerOverrides
-from kvstream.worker.announce import register_synthetic
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.zmq_bridge import Flavour, Issue
 
@@ -186,13 +184,6 @@ def test_route_over_http_with_salt_and_multimodal(env: Env, sglang: EngineKit) -
         plain.publish(sglang.stored([1, 2], None, T[:32]))
         salted.sees(T, TierOverlap(device=3), cache_salt="tenant-a")
         plain.sees(T, TierOverlap(device=2))
-        # /v1/route admits registered workers only (kvstream.replica.admission), as the
-        # `kvstream worker` bridge registers them.
-        register_synthetic(env.settings, [salted.worker_id, plain.worker_id])
-        deadline = time.monotonic() + 30
-        while not all(env.replica.registry.registration(r.worker_id) for r in (salted, plain)):
-            assert time.monotonic() < deadline, "the registrations never reached the replica"
-            time.sleep(0.05)
         client = TestClient(create_app(env.replica))
         body = {"token_ids": T, "query_only": True, "weights": {"allowed_workers": [salted.worker_id, plain.worker_id]}}
         assert client.post("/v1/route", json={**body, "cache_salt": "tenant-a"}).json()["worker_id"] == salted.worker_id
