@@ -558,14 +558,7 @@ class LogFold:
             if log.last_seen_ms != seen:
                 heapq.heappush(heap, (log.last_seen_ms, wid))  # seen since it was pushed
                 continue
-            del self.workers[wid]
-            self._began.pop(wid, None)
-            self._bound[partition] -= 1
-            self.dirty.add(wid)
-            if self.router.index.knows(wid):
-                self.router.remove_worker(
-                    wid, f"was displaced at {log_time(seen)} (it had stored nothing; partition {partition} was full)"
-                )
+            self._drop(wid, partition, f"was displaced at {log_time(seen)} (it had stored nothing; partition {partition} was full)")
             self.counters[DISPLACED] += 1
             return True
         return False
@@ -604,17 +597,20 @@ class LogFold:
             if deadline >= now_ms:
                 heapq.heappush(heap, (deadline, wid))  # renewed since it was pushed
                 continue
-            del self.workers[wid]
-            self._began.pop(wid, None)
-            self._bound[partition] -= 1
-            self.dirty.add(wid)
-            if self.router.index.knows(wid):
-                self.router.remove_worker(
-                    wid, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)"
-                )
+            self._drop(wid, partition, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)")
             if self._on_expired is not None:
                 self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1
+
+    def _drop(self, wid: int, partition: int, why: str) -> None:
+        """Forget a worker bound to ``partition`` (expired or displaced): its log, its slot
+        in the partition's limit, and its blocks and load in the router."""
+        del self.workers[wid]
+        self._began.pop(wid, None)
+        self._bound[partition] -= 1
+        self.dirty.add(wid)
+        if self.router.index.knows(wid):
+            self.router.remove_worker(wid, why)
 
     # -- restore from a snapshot -------------------------------------------------------
 
