@@ -22,7 +22,8 @@ from kvstream.logs import get_logger
 from kvstream.replica.auth import TokenError, Tokens, read_token
 from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
-from kvstream.replica.replica import Replica, ReplicaOptions
+from kvstream.replica.options import ReplicaOptions
+from kvstream.replica.replica import Replica
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, Settings, SettingsError, explain, load_settings
 
