@@ -47,7 +47,7 @@ from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
-from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.active_codec import ActiveOpCodec, load_window_start_ms
 from kvstream.replica.admission import admission_from_settings
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import AmbiguousRequestError, RecoveryError
@@ -423,7 +423,7 @@ class Replica:
                 msgs = consumer.consume(1, 0.05)
                 if msgs:
                     msgs += consumer.consume(self.options.consume_batch - 1, 0)
-                    fold_in_slices(self.lock, msgs, self._apply_messages, self.options.fold_slice)
+                    fold_in_slices(self.lock, msgs, self._apply_messages)
                 if self.snapshotter is not None:
                     with self.lock:
                         self.snapshotter.step()
@@ -753,7 +753,7 @@ class Replica:
             if md is None or md.error is not None:
                 log.error("active topic missing; load is not shared", topic=topic)
                 return
-            since_ms = int((time.time() - self.options.active_window_s) * 1000)
+            since_ms = load_window_start_ms(int(time.time() * 1000), self.router.config.request_ttl_s)
             tps = consumer.offsets_for_times(
                 [TopicPartition(topic, p, since_ms) for p in md.partitions], timeout=30
             )

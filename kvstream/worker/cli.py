@@ -13,7 +13,7 @@ import click
 from kvstream.gateway.errors import RegistrationError
 from kvstream.gateway.registry import Registration, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
-from kvstream.logs import get_logger
+from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
@@ -184,9 +184,12 @@ def worker(
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
-        settings = load_settings(config, bootstrap=bootstrap, worker={k: v for k, v in flags.items() if v is not None})
+        settings = load_settings(
+            config, bootstrap=bootstrap, worker={k: v for k, v in flags.items() if v is not None}, **logging_flags()
+        )
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
+    configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
     try:
         options = PublisherOptions(
