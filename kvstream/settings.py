@@ -31,6 +31,7 @@ from kvstream.gateway.options import GatewayOptions
 from kvstream.logs import DEFAULT_FORMAT, DEFAULT_LEVEL, FORMATS, LEVELS, get_logger
 from kvstream.options import is_internal
 from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
+from kvstream.worker.options import WorkerOptions
 
 T = TypeVar("T")
 
@@ -182,27 +183,7 @@ class FoldSettings(Section):
     allowed_workers: list[int] | None = None
 
 
-class WorkerSettings(Section):
-    """How ``kvstream worker`` consolidates and publishes (DESIGN.md §2, §3)."""
-
-    #: ``dedup`` (one merged device residency) or ``passthrough`` (every tier).
-    mode: Literal["dedup", "passthrough"] = "dedup"
-    #: Routers keep a silent worker this long (log time); must outlast the heartbeat.
-    lease_ms: int = Field(10_000, ge=1)
-    heartbeat_s: float = Field(2.0, gt=0)
-    #: How long events wait to share a Kafka message.
-    linger_ms: float = Field(5.0, ge=0)
-    #: A full producer queue blocks the worker (``block``) or fails it (``fail``).
-    queue_full: Literal["block", "fail"] = "block"
-    #: Prometheus port; 0: none.
-    metrics_port: int = Field(0, ge=0, le=65535)
-    #: Engine bridge: where it keeps its state across restarts (None: it does not).
-    state_dir: str | None = None
-    #: Engine bridge: checkpoint period (s), when the state changed.
-    checkpoint_s: float = Field(10.0, gt=0)
-    #: Engine bridge: vLLM's offloading ``blocks_per_chunk`` (its placeholder events
-    #: name a chunk by its last block; docs/ENGINES.md).
-    offload_blocks_per_chunk: int = Field(1, ge=1)
+WorkerSettings = section("WorkerSettings", "How ``kvstream worker`` consolidates and publishes.", WorkerOptions)
 
 
 class Settings(BaseSettings):

@@ -178,7 +178,7 @@ def worker(
         "linger_ms": linger_ms,
         "queue_full": queue_full,
         "metrics_port": metrics_port,
-        "state_dir": str(state_dir) if state_dir is not None else None,
+        "state_dir": state_dir,
         "checkpoint_s": checkpoint_s,
         "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }
@@ -197,7 +197,7 @@ def worker(
             lease_ms=ws.lease_ms,
             heartbeat_s=ws.heartbeat_s,
             linger_ms=ws.linger_ms,
-            queue_full=QueueFull(ws.queue_full),
+            queue_full=ws.queue_full,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -223,7 +223,7 @@ def worker(
     signal.signal(signal.SIGINT, lambda *_: (interrupted.set(), stop.set()))
     if bridge_options is None:
         _run_synthetic(
-            settings, options, Mode(ws.mode), stop, metrics_addr,
+            settings, options, ws.mode, stop, metrics_addr,
             SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir, disk_min_seen),
             serves,
         )
@@ -245,7 +245,7 @@ def _run_engine(
 ) -> None:
     ws = settings.worker
     node_options = EngineNodeOptions(
-        options, bridge_options, Mode(ws.mode), Path(ws.state_dir) if ws.state_dir else None, ws.checkpoint_s
+        options, bridge_options, ws.mode, ws.state_dir, ws.checkpoint_s
     )
     try:
         node = EngineNode(settings, node_options)
@@ -264,7 +264,7 @@ def _run_engine(
             serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
         log.info(
             "worker_started", worker_id=options.worker_id, epoch=node.publisher.epoch,
-            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode,
+            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode.value,
         )
         node.run(stop)
         clean = True

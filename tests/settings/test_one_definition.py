@@ -15,7 +15,7 @@ from kvstream.options import internal, is_internal
 from kvstream.replica.cli import PER_REQUEST_ONLY, http_limits, replica_options, router_config
 from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
 from kvstream.router import SchedulerConfig
-from kvstream.settings import ReplicaSettings, RouterSettings, SettingsError, load_settings, section
+from kvstream.settings import ReplicaSettings, RouterSettings, SettingsError, WorkerSettings, load_settings, section
 
 REPLICA = (ServerOptions, HttpLimits, ReplicaOptions)
 
@@ -103,3 +103,26 @@ def test_every_router_key_is_a_field_of_the_router_s_config() -> None:
     scheduler = {f.name for f in fields(SchedulerConfig)} - PER_REQUEST_ONLY
     assert set(RouterSettings.model_fields) == scheduler | {"block_size", "request_ttl_s", "compiled", "require_registration"}
     assert router_config(load_settings()).scheduler == SchedulerConfig()
+
+
+def test_the_worker_section_is_worker_options_and_its_parts_default_to_it(tmp_path: Path) -> None:
+    from kvstream.worker.engine_node import EngineNodeOptions
+    from kvstream.worker.options import DEFAULTS, Mode, QueueFull, WorkerOptions
+    from kvstream.worker.publisher import PublisherOptions
+    from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint
+
+    assert list(WorkerSettings.model_fields) == [f.name for f in fields(WorkerOptions)]
+    publisher = PublisherOptions(worker_id=1)
+    assert (publisher.lease_ms, publisher.heartbeat_s, publisher.linger_ms, publisher.queue_full) == (
+        DEFAULTS.lease_ms, DEFAULTS.heartbeat_s, DEFAULTS.linger_ms, DEFAULTS.queue_full)
+    bridge = BridgeOptions(endpoints=(Endpoint("tcp://127.0.0.1:1", None, 0),))
+    node = EngineNodeOptions(publisher, bridge)
+    assert (node.mode, node.state_dir, node.checkpoint_s, bridge.offload_blocks_per_chunk) == (
+        DEFAULTS.mode, DEFAULTS.state_dir, DEFAULTS.checkpoint_s, DEFAULTS.offload_blocks_per_chunk)
+    path = tmp_path / "k.toml"
+    path.write_text('[worker]\nmode = "passthrough"\nqueue_full = "fail"\nstate_dir = "/tmp/w"\n')
+    got = load_settings(path).worker.to_options(WorkerOptions)
+    assert (got.mode, got.queue_full, got.state_dir) == (Mode.PASSTHROUGH, QueueFull.FAIL, Path("/tmp/w"))
+    path.write_text('[worker]\nmode = "merge"\n')
+    with pytest.raises(SettingsError, match=r"`worker.mode`: Input should be 'dedup' or 'passthrough'"):
+        load_settings(path)
