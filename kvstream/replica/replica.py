@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -47,12 +47,13 @@ from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
-from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.active_codec import ActiveOpCodec, load_window_start_ms
 from kvstream.replica.admission import admission_from_settings
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import AmbiguousRequestError, RecoveryError
-from kvstream.replica.fold import FOLD_SLICE, LogFold, fold_in_slices
+from kvstream.replica.fold import LogFold, fold_in_slices
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.positions import PositionCommitter, commit_callback, replica_group_id
 from kvstream.replica.request_ids import scoped, unscoped
 from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore, open_store
@@ -82,57 +83,6 @@ _REF_HEADER = "kvstream-dlq-reference"
 _INSTANCE_HEADER = "kvstream-instance"
 #: On an active op that a replica published for the peer that owns the request.
 _SENDER_HEADER = "kvstream-sender"
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaOptions:
-    """How a replica runs (the ``[replica]`` section of the settings)."""
-
-    snapshot_dir: Path | None = None
-    #: Take a snapshot after this many applied records, or this many seconds (0: never).
-    snapshot_every_records: int = 200_000
-    snapshot_every_s: float = 60.0
-    #: Ready when every partition's lag (records) is at most this. Once ready, a replica
-    #: that falls further behind (a burst: every replica at once) keeps routing, each
-    #: decision marked stale, unless ``refuse_when_stale``: a slightly stale index routes
-    #: far better than none.
-    ready_max_lag: int = 1000
-    refuse_when_stale: bool = False
-    #: Records per consume() call.
-    consume_batch: int = 2000
-    #: Records folded between looks at the clock under the router lock, which ingest
-    #: holds for about kvstream.replica.fold.FOLD_HOLD_S at a time (FOLD_SLICE).
-    fold_slice: int = FOLD_SLICE
-    #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
-    tick_interval_s: float = 5.0
-    #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
-    active_window_s: float = 300.0
-    #: A worker is asked to resync at most this often (s).
-    resync_min_interval_s: float = 10.0
-    #: After a recovery that dropped workers (retention, recreated topic), stay unready
-    #: until each has resynced (a newer epoch on the log), or at most this long (s).
-    resync_wait_s: float = 10.0
-    #: Commit read positions to this replica's own consumer group this often (s), for
-    #: Kafka's lag tooling (kvstream.replica.positions); 0: never.
-    commit_interval_s: float = 1.0
-    #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
-    peer_url: str | None = None
-    #: Bearer token of the peer's HTTP API (with its peer scope).
-    peer_token: str | None = None
-    #: Largest peer snapshot accepted (bytes); CA bundle that verifies an https peer.
-    peer_max_bytes: int = 16 * 1024**3
-    peer_ca_file: Path | None = None
-    #: A record (value, key and headers) larger than this is referenced in the DLQ, not
-    #: copied: far below the producer's message.max.bytes (1 MB by default).
-    dlq_max_bytes: int = 256 * 1024
-    #: How often the events topic's partition count is checked (s).
-    metadata_interval_s: float = 10.0
-    #: A thread restarts after this (s), doubling up to ``thread_max_backoff_s``; a
-    #: critical one that fails ``thread_max_failures`` times without progress is fatal.
-    thread_backoff_s: float = 0.5
-    thread_max_backoff_s: float = 30.0
-    thread_max_failures: int = 5
-    replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}")
 
 
 class Replica:
@@ -473,7 +423,7 @@ class Replica:
                 msgs = consumer.consume(1, 0.05)
                 if msgs:
                     msgs += consumer.consume(self.options.consume_batch - 1, 0)
-                    fold_in_slices(self.lock, msgs, self._apply_messages, self.options.fold_slice)
+                    fold_in_slices(self.lock, msgs, self._apply_messages)
                 if self.snapshotter is not None:
                     with self.lock:
                         self.snapshotter.step()
@@ -803,7 +753,7 @@ class Replica:
             if md is None or md.error is not None:
                 log.error("active topic missing; load is not shared", topic=topic)
                 return
-            since_ms = int((time.time() - self.options.active_window_s) * 1000)
+            since_ms = load_window_start_ms(int(time.time() * 1000), self.router.config.request_ttl_s)
             tps = consumer.offsets_for_times(
                 [TopicPartition(topic, p, since_ms) for p in md.partitions], timeout=30
             )

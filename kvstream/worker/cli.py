@@ -13,7 +13,7 @@ import click
 from kvstream.gateway.errors import RegistrationError
 from kvstream.gateway.registry import Registration, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
-from kvstream.logs import get_logger
+from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
@@ -179,15 +179,18 @@ def worker(
         "linger_ms": linger_ms,
         "queue_full": queue_full,
         "metrics_port": metrics_port,
-        "state_dir": str(state_dir) if state_dir is not None else None,
+        "state_dir": state_dir,
         "checkpoint_s": checkpoint_s,
         "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
-        settings = load_settings(config, bootstrap=bootstrap, worker={k: v for k, v in flags.items() if v is not None})
+        settings = load_settings(
+            config, bootstrap=bootstrap, worker={k: v for k, v in flags.items() if v is not None}, **logging_flags()
+        )
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
+    configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
     try:
         options = PublisherOptions(
@@ -195,7 +198,7 @@ def worker(
             lease_ms=ws.lease_ms,
             heartbeat_s=ws.heartbeat_s,
             linger_ms=ws.linger_ms,
-            queue_full=QueueFull(ws.queue_full),
+            queue_full=ws.queue_full,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -221,7 +224,7 @@ def worker(
     signal.signal(signal.SIGINT, lambda *_: (interrupted.set(), stop.set()))
     if bridge_options is None:
         _run_synthetic(
-            settings, options, Mode(ws.mode), stop, metrics_addr,
+            settings, options, ws.mode, stop, metrics_addr,
             SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir, disk_min_seen),
             serves,
         )
@@ -243,7 +246,7 @@ def _run_engine(
 ) -> None:
     ws = settings.worker
     node_options = EngineNodeOptions(
-        options, bridge_options, Mode(ws.mode), Path(ws.state_dir) if ws.state_dir else None, ws.checkpoint_s
+        options, bridge_options, ws.mode, ws.state_dir, ws.checkpoint_s
     )
     try:
         node = EngineNode(settings, node_options)
@@ -262,7 +265,7 @@ def _run_engine(
             serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
         log.info(
             "worker_started", worker_id=options.worker_id, epoch=node.publisher.epoch,
-            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode,
+            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode.value,
         )
         node.run(stop)
         clean = registered.successor is None

@@ -33,7 +33,6 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -46,6 +45,7 @@ from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
 from kvstream.worker.consolidator import StateSource
+from kvstream.worker.options import DEFAULTS, QueueFull
 from kvstream.worker.errors import (
     ControlTopicError,
     PublisherClosedError,
@@ -61,26 +61,19 @@ _LEADER_NOT_READY = frozenset(
 )
 
 
-class QueueFull(str, Enum):
-    """What a full producer queue does to the caller."""
-
-    BLOCK = "block"  # wait for room (up to block_timeout_s), then fail
-    FAIL = "fail"  # fail at once
-
-
 @dataclass(frozen=True, slots=True)
 class PublisherOptions:
     worker_id: int
     #: Routers keep the worker this long (log time) after its last batch.
-    lease_ms: int = 10_000
+    lease_ms: int = DEFAULTS.lease_ms
     #: An empty batch goes out when nothing else did for this long.
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = DEFAULTS.heartbeat_s
     #: Events wait at most this long to share a Kafka message.
-    linger_ms: float = 5.0
+    linger_ms: float = DEFAULTS.linger_ms
     max_batch_events: int = 512
     #: Blocks per message; 16 bytes each on the wire, so 4096 is ~64 KiB.
     max_batch_blocks: int = 4096
-    queue_full: QueueFull = QueueFull.BLOCK
+    queue_full: QueueFull = DEFAULTS.queue_full
     block_timeout_s: float = 30.0
     #: Messages the producer may hold unacknowledged (librdkafka's local queue).
     queue_max_messages: int = 100_000

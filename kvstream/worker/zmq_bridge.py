@@ -45,6 +45,7 @@ from kvstream.events.model import Tier, tier_from_medium
 from kvstream.hashing import DEFAULT_BLOCK_SIZE, local_hashes
 from kvstream.logs import get_logger
 from kvstream.worker.errors import EngineBridgeError
+from kvstream.worker.options import DEFAULTS
 from kvstream.worker.source_events import (
     SourceCleared,
     SourceEvent,
@@ -132,7 +133,7 @@ class BridgeOptions:
     rcvhwm: int = 1_000_000
     #: vLLM's offloading connector ``blocks_per_chunk``: one offload placeholder event
     #: (no tokens) names a chunk by its last block only. Not on the wire.
-    offload_blocks_per_chunk: int = 1
+    offload_blocks_per_chunk: int = DEFAULTS.offload_blocks_per_chunk
 
     def __post_init__(self) -> None:
         if self.offload_blocks_per_chunk < 1:
