@@ -19,7 +19,8 @@ from kvstream.worker.bridge_state import BridgeCheckpoint, BridgeStateStore
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.errors import PublisherError
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-from kvstream.worker.zmq_bridge import BridgeOptions, Issue, ZmqEngineBridge
+from kvstream.worker.engine_events import Issue
+from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
 
 log = get_logger(__name__)
 
