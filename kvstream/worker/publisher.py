@@ -154,20 +154,6 @@ def _signed(v: int | None) -> int | None:
     return None if v is None else (v - (1 << 64) if v >= 1 << 63 else v)
 
 
-def send_resync_request(settings: Settings, request: ResyncRequest, timeout_s: float = 30.0) -> None:
-    """Publish ``request`` on the control topic and wait until Kafka has it."""
-    producer = Producer(producer_config(settings, **{"client.id": "kvstream-resync", "linger.ms": 0}))
-    errors: list[KafkaError] = []
-    producer.produce(
-        settings.topics.name("control"),
-        value=AvroCodec().encode(RESYNC_RECORD, request.to_record()),
-        on_delivery=lambda err, _msg: errors.append(err) if err else None,
-    )
-    left = producer.flush(timeout_s)
-    if left or errors:
-        raise ControlTopicError(f"resync request not delivered: {errors[0] if errors else 'timed out'}")
-
-
 class ControlListener:
     """Reads ``kvstream.control`` from its end (requests older than the worker do not
     concern this incarnation) and returns the resync requests for ``worker_id``."""
