@@ -6,6 +6,15 @@ The file is named by ``--config`` or ``KVSTREAM_CONFIG``. An unknown key at any 
 an error that names the nearest valid one (a typo must never pass silently); an unknown
 ``KVSTREAM_*`` variable is warned about. ``kvstream config show`` prints the effective
 settings and where each came from.
+
+A section is defined by frozen option dataclasses (kvstream.options): ``[replica]`` by
+kvstream.replica.options, ``[worker]`` by kvstream.worker.options, ``[gateway]`` by
+kvstream.gateway.options (validated as the dataclass itself). :func:`section` derives a
+section from them and ``Section.to_options`` gives each dataclass back, so that a key
+cannot exist on one side only. ``[topics]`` and ``[fold]`` are written out here: no
+dataclass repeats them (the fold's kvstream.replica.authority.LogAuthority is built by
+``authority_from_settings``); ``[router]`` too for now, pinned to the router's
+SchedulerConfig by tests/settings/test_one_definition.py.
 """
 
 from __future__ import annotations
