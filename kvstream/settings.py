@@ -25,7 +25,8 @@ import os
 import tomllib
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, get_type_hints
+from types import UnionType
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import (
@@ -281,7 +282,8 @@ def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
     for e in exc.errors():
         loc = [*section, *(str(p) for p in e["loc"])]
         where = ".".join(loc)
-        if e["type"] == "extra_forbidden":
+        # A model says extra_forbidden; a dataclass validated as one (GatewayOptions), the other.
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = _keys_at(loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
             hint = f" (did you mean `{'.'.join([*loc[:-1], close[0]])}`?)" if close else ""
@@ -298,14 +300,26 @@ def is_secret(key: str) -> bool:
 
 
 def _keys_at(loc: list[str]) -> list[str]:
-    """The valid keys of the section at ``loc`` (a list of field names)."""
-    model: Any = Settings
+    """The valid keys of the section at ``loc`` (field names, and indexes into a list of
+    entries such as ``[[gateway.workers]]``)."""
+    kind: Any = Settings
     for name in loc:
-        field = getattr(model, "model_fields", {}).get(name)
-        if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
+        if name.isdigit():
+            kind = next((a for a in get_args(kind) if a is not Ellipsis), None)
+        else:
+            kind = _fields_of(kind).get(name)
+    return list(_fields_of(kind))
+
+
+def _fields_of(kind: Any) -> dict[str, Any]:
+    """A section's keys → their types: a settings model's, or a validated dataclass's."""
+    if get_origin(kind) in (Union, UnionType):  # an optional section
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return {k: f.annotation for k, f in kind.model_fields.items()}
+    if dataclasses.is_dataclass(kind):
+        return get_type_hints(kind)
+    return {}
 
 
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
