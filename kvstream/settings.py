@@ -219,6 +219,17 @@ class Settings(BaseSettings):
     #: ``json`` for machines, ``console`` for people (``--log-format``, ``KVSTREAM_LOG_FORMAT``).
     log_format: Literal[FORMATS] = DEFAULT_FORMAT
 
+    @model_validator(mode="after")
+    def _load_outlives_restarts(self) -> Settings:
+        # A (re)started replica rebuilds load from the last request_ttl_s of kvstream.active.
+        if self.router.request_ttl_s * 1000 > self.topics.active_retention_ms:
+            raise ValueError(
+                f"router.request_ttl_s ({self.router.request_ttl_s:g} s) is longer than topics.active_retention_ms "
+                f"({self.topics.active_retention_ms} ms): a restarted replica could not rebuild the load of the "
+                "requests older than the retention"
+            )
+        return self
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _any_case(cls, value: Any) -> Any:
@@ -290,7 +301,7 @@ def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
             lines.append(f"unknown setting `{where}`{hint}")
             continue
         value = "" if is_secret(where) or isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
-        lines.append(f"`{where}`: {e['msg']}{value}")
+        lines.append(f"`{where}`: {e['msg']}{value}" if where else e["msg"].removeprefix("Value error, "))
     return "invalid settings: " + "; ".join(lines)
 
 
