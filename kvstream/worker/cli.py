@@ -24,6 +24,7 @@ from kvstream.worker.errors import (
     PublisherError,
     RegistryTopicError,
 )
+from kvstream.worker.fence import TakeOverWatch, describe
 from kvstream.worker.incarnation import Incarnation, live_incarnation
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
@@ -253,12 +254,12 @@ def _run_engine(
         raise click.ClickException(f"cannot start the worker: {exc}") from None
     left = 0
     clean = False
-    announcer: WorkerAnnouncer | None = None
+    registered: Registered | None = None
     try:
         node.start()
-        announcer = _announce(
+        registered = _announce(
             settings, serves, node.publisher, bridge_options.block_size,
-            tuple(e.default_dp_rank for e in bridge_options.endpoints), engine, None,
+            tuple(e.default_dp_rank for e in bridge_options.endpoints), engine, None, stop,
         )
         if ws.metrics_port:
             serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
@@ -267,16 +268,17 @@ def _run_engine(
             endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode.value,
         )
         node.run(stop)
-        clean = True
+        clean = registered.successor is None
     except (PublisherError, EngineBridgeError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        _withdraw(announcer)
+        _withdraw(registered)
         left = node.close(withdraw=clean)
         log.info(
             "worker_stopped", worker_id=options.worker_id, batches=node.publisher.stats.batches, undelivered=left,
             withdrawn=clean and ws.state_dir is None,
         )
+    _taken_over(options.worker_id, registered)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")
 
@@ -310,34 +312,64 @@ class Serves:
     loras: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """The worker's registration and the watch that stops it when another process
+    takes its id over (kvstream.worker.fence)."""
+
+    announcer: WorkerAnnouncer
+    watch: TakeOverWatch
+
+    @property
+    def successor(self) -> Registration | None:
+        return self.watch.successor
+
+
 def _announce(
     settings: Settings, serves: Serves, publisher: KafkaPublisher, block_size: int,
-    dp_ranks: tuple[int, ...], engine: str, kv_capacity_blocks: int | None,
-) -> WorkerAnnouncer:
-    """Register the worker under its publisher's first epoch (its incarnation)."""
+    dp_ranks: tuple[int, ...], engine: str, kv_capacity_blocks: int | None, stop: threading.Event,
+) -> Registered:
+    """Register the worker under its publisher's first epoch (its incarnation), and
+    watch for a successor: ``stop`` is set when one registers."""
     reg = Registration(
         publisher.worker_id, serves.engine_url, serves.models, serves.loras, block_size, dp_ranks, engine,
         kv_capacity_blocks, publisher.epoch, int(time.time() * 1000),
     )
+    watch = TakeOverWatch(settings, reg.worker_id, lambda _successor: stop.set())
     announcer = WorkerAnnouncer(settings, reg)
     try:
         announcer.announce()
     except BaseException:
         announcer.close()
+        watch.close()
         raise
-    return announcer
+    watch.start(reg)
+    return Registered(announcer, watch)
 
 
-def _withdraw(announcer: WorkerAnnouncer | None) -> None:
-    """The tombstone, on the way out; a failure is logged, never masks why we stop."""
-    if announcer is None:
+def _withdraw(registered: Registered | None) -> None:
+    """The tombstone, on the way out, unless a successor registered; a failure is logged,
+    never masks why we stop."""
+    if registered is None:
         return
+    registered.watch.close()
+    announcer = registered.announcer
     try:
-        announcer.withdraw()
+        if registered.successor is None:
+            announcer.withdraw()
     except PublisherError as exc:
         log.error("worker_unregister_failed", worker_id=announcer.registration.worker_id, error=str(exc))
     finally:
         announcer.close()
+
+
+def _taken_over(worker_id: int, registered: Registered | None) -> None:
+    """Fail the command when a successor stopped this worker."""
+    if registered is not None and (successor := registered.successor) is not None:
+        raise click.ClickException(
+            f"worker {worker_id} was taken over by another process ({describe(successor)}); this one stopped "
+            "without withdrawing its blocks or its registration"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,8 +408,9 @@ def _run_synthetic(
     except (PublisherError, KafkaConfigError, ValueError) as exc:
         raise click.ClickException(f"cannot start the synthetic worker: {exc}") from None
     try:
-        announcer = _announce(
-            settings, serves, node.publisher, node_options.layout.block_size, (0,), "synthetic", run.device_blocks
+        registered = _announce(
+            settings, serves, node.publisher, node_options.layout.block_size, (0,), "synthetic", run.device_blocks,
+            stop,
         )
     except PublisherError as exc:
         node.close()
@@ -401,12 +434,13 @@ def _run_synthetic(
             while not stop.is_set() and (wait := next_at - time.monotonic()) > 0:
                 node.poll()
                 stop.wait(min(wait, options.linger_ms / 1000))
-        clean = True
+        clean = registered.successor is None
     except PublisherError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        _withdraw(announcer)
+        _withdraw(registered)
         left = node.close(withdraw=clean)
         log.info("worker_stopped", worker_id=options.worker_id, prompts=done, undelivered=left, withdrawn=clean)
+    _taken_over(options.worker_id, registered)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")

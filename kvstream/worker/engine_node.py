@@ -20,7 +20,8 @@ from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.errors import PublisherError
 from kvstream.worker.options import DEFAULTS
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-from kvstream.worker.zmq_bridge import BridgeOptions, Issue, ZmqEngineBridge
+from kvstream.worker.engine_events import Issue
+from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
 
 log = get_logger(__name__)
 
