@@ -6,6 +6,15 @@ The file is named by ``--config`` or ``KVSTREAM_CONFIG``. An unknown key at any 
 an error that names the nearest valid one (a typo must never pass silently); an unknown
 ``KVSTREAM_*`` variable is warned about. ``kvstream config show`` prints the effective
 settings and where each came from.
+
+A section is defined by frozen option dataclasses (kvstream.options): ``[replica]`` by
+kvstream.replica.options, ``[worker]`` by kvstream.worker.options, ``[gateway]`` by
+kvstream.gateway.options (validated as the dataclass itself). :func:`section` derives a
+section from them and ``Section.to_options`` gives each dataclass back, so that a key
+cannot exist on one side only. ``[topics]`` and ``[fold]`` are written out here: no
+dataclass repeats them (the fold's kvstream.replica.authority.LogAuthority is built by
+``authority_from_settings``); ``[router]`` too for now, pinned to the router's
+SchedulerConfig by tests/settings/test_one_definition.py.
 """
 
 from __future__ import annotations
@@ -16,7 +25,8 @@ import os
 import tomllib
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, get_type_hints
+from types import UnionType
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import (
@@ -209,6 +219,17 @@ class Settings(BaseSettings):
     #: ``json`` for machines, ``console`` for people (``--log-format``, ``KVSTREAM_LOG_FORMAT``).
     log_format: Literal[FORMATS] = DEFAULT_FORMAT
 
+    @model_validator(mode="after")
+    def _load_outlives_restarts(self) -> Settings:
+        # A (re)started replica rebuilds load from the last request_ttl_s of kvstream.active.
+        if self.router.request_ttl_s * 1000 > self.topics.active_retention_ms:
+            raise ValueError(
+                f"router.request_ttl_s ({self.router.request_ttl_s:g} s) is longer than topics.active_retention_ms "
+                f"({self.topics.active_retention_ms} ms): a restarted replica could not rebuild the load of the "
+                "requests older than the retention"
+            )
+        return self
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _any_case(cls, value: Any) -> Any:
@@ -272,14 +293,15 @@ def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
     for e in exc.errors():
         loc = [*section, *(str(p) for p in e["loc"])]
         where = ".".join(loc)
-        if e["type"] == "extra_forbidden":
+        # A model says extra_forbidden; a dataclass validated as one (GatewayOptions), the other.
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = _keys_at(loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
             hint = f" (did you mean `{'.'.join([*loc[:-1], close[0]])}`?)" if close else ""
             lines.append(f"unknown setting `{where}`{hint}")
             continue
         value = "" if is_secret(where) or isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
-        lines.append(f"`{where}`: {e['msg']}{value}")
+        lines.append(f"`{where}`: {e['msg']}{value}" if where else e["msg"].removeprefix("Value error, "))
     return "invalid settings: " + "; ".join(lines)
 
 
@@ -289,14 +311,26 @@ def is_secret(key: str) -> bool:
 
 
 def _keys_at(loc: list[str]) -> list[str]:
-    """The valid keys of the section at ``loc`` (a list of field names)."""
-    model: Any = Settings
+    """The valid keys of the section at ``loc`` (field names, and indexes into a list of
+    entries such as ``[[gateway.workers]]``)."""
+    kind: Any = Settings
     for name in loc:
-        field = getattr(model, "model_fields", {}).get(name)
-        if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
+        if name.isdigit():
+            kind = next((a for a in get_args(kind) if a is not Ellipsis), None)
+        else:
+            kind = _fields_of(kind).get(name)
+    return list(_fields_of(kind))
+
+
+def _fields_of(kind: Any) -> dict[str, Any]:
+    """A section's keys → their types: a settings model's, or a validated dataclass's."""
+    if get_origin(kind) in (Union, UnionType):  # an optional section
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return {k: f.annotation for k, f in kind.model_fields.items()}
+    if dataclasses.is_dataclass(kind):
+        return get_type_hints(kind)
+    return {}
 
 
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:

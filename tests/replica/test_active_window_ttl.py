@@ -19,13 +19,11 @@ from kvstream.replica.request_ids import scoped
 from kvstream.replica.route_body import RouteRequest
 from kvstream.router.active import AddRequest
 from kvstream.router.explain import decision_dict
-from kvstream.settings import Settings
+from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.tools.replay.explain import explain_at
 
 from tests.replica.helpers import FakeWorkerLog
 from tests.replica.test_replica_kafka import produce, wait_caught_up
-
-pytestmark = pytest.mark.kafka
 
 TTL_S = 600.0
 
@@ -43,6 +41,7 @@ def _by_worker(d: dict) -> dict:
     return {c["worker_id"]: c for c in d["candidates"]}
 
 
+@pytest.mark.kafka
 def test_a_restarted_replica_and_replay_see_the_same_load_at_a_600s_ttl(kafka_topics: Settings) -> None:
     settings = kafka_topics.model_copy(
         update={"router": kafka_topics.router.model_copy(update={"request_ttl_s": TTL_S})}
@@ -78,3 +77,12 @@ def test_a_restarted_replica_and_replay_see_the_same_load_at_a_600s_ttl(kafka_to
     for wid in (1, 2):
         for term in ("active_requests", "active_prefill_tokens", "active_decode_blocks"):
             assert live[wid][term] == replayed[wid][term], (wid, term, live[wid], replayed[wid])
+
+
+def test_a_ttl_longer_than_the_load_topic_keeps_is_refused(tmp_path) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text("[router]\nrequest_ttl_s = 7200\n")
+    with pytest.raises(SettingsError, match=r"request_ttl_s \(7200 s\) is longer than topics.active_retention_ms \(3600000 ms\)"):
+        load_settings(path)
+    path.write_text("[router]\nrequest_ttl_s = 7200\n[topics]\nactive_retention_ms = 7200000\n")
+    assert load_settings(path).router.request_ttl_s == 7200
