@@ -38,17 +38,15 @@ PER_REQUEST_ONLY = frozenset({"allowed_workers"})
 
 
 def router_config(settings: Settings) -> RouterConfig:
-    """[router] as the router's config: every other field of SchedulerConfig is a key
-    there (a missing one fails here; tests/settings pin the two sets)."""
+    """[router] as the router's config: every field of RouterConfig and (but the
+    per-request one) of its SchedulerConfig is a key there (a missing one fails here;
+    tests/settings pin the sets)."""
     r = settings.router
-    return RouterConfig(
-        block_size=r.block_size,
-        scheduler=SchedulerConfig(
-            **{f.name: getattr(r, f.name) for f in fields(SchedulerConfig) if f.name not in PER_REQUEST_ONLY}
-        ),
-        request_ttl_s=r.request_ttl_s,
-        compiled=r.compiled,
+    scheduler = SchedulerConfig(
+        **{f.name: getattr(r, f.name) for f in fields(SchedulerConfig) if f.name not in PER_REQUEST_ONLY}
     )
+    own = {f.name: getattr(r, f.name) for f in fields(RouterConfig) if f.name != "scheduler"}
+    return RouterConfig(scheduler=scheduler, **own)
 
 
 def tokens(settings: Settings) -> Tokens:

@@ -14,7 +14,7 @@ import pytest
 from kvstream.options import internal, is_internal
 from kvstream.replica.cli import PER_REQUEST_ONLY, http_limits, replica_options, router_config
 from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
-from kvstream.router import SchedulerConfig
+from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, RouterSettings, SettingsError, WorkerSettings, load_settings, section
 
 REPLICA = (ServerOptions, HttpLimits, ReplicaOptions)
@@ -101,7 +101,9 @@ def test_every_router_key_is_a_field_of_the_router_s_config() -> None:
     being reworked with the compiled core); this pins it to SchedulerConfig until it
     is derived too: router_config fails on a missing key, this on an extra one."""
     scheduler = {f.name for f in fields(SchedulerConfig)} - PER_REQUEST_ONLY
-    assert set(RouterSettings.model_fields) == scheduler | {"block_size", "request_ttl_s", "compiled", "require_registration"}
+    router = {f.name for f in fields(RouterConfig)} - {"scheduler"}
+    # require_registration is the admission rule's (kvstream.replica.admission).
+    assert set(RouterSettings.model_fields) == scheduler | router | {"require_registration"}
     assert router_config(load_settings()).scheduler == SchedulerConfig()
 
 
