@@ -22,7 +22,7 @@ from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.replica.auth import TokenError, Tokens, read_token
 from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import fit_connections, guarded_protocol
-from kvstream.replica.options import HttpLimits, ReplicaOptions
+from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
 from kvstream.replica.replica import Replica
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, Settings, SettingsError, explain, load_settings
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from kvstream.gateway.app import Gateway
 
 log = get_logger(__name__)
+
+#: The defaults the flags' help shows.
+_SERVER = ServerOptions()
 
 
 #: The field of SchedulerConfig that a route request may set but [router] has no key for.
@@ -139,8 +142,8 @@ class _Server(uvicorn.Server):
 @click.command("router")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
 @click.option("--bootstrap", help="Kafka bootstrap servers (default: the local broker).")
-@click.option("--host", help="HTTP bind address [127.0.0.1].")
-@click.option("--port", type=int, help="HTTP port [8470].")
+@click.option("--host", help=f"HTTP bind address [{_SERVER.host}].")
+@click.option("--port", type=int, help=f"HTTP port [{_SERVER.port}].")
 @click.option("--snapshot-dir", type=click.Path(file_okay=False, path_type=Path), help="Where snapshots live.")
 @click.option("--peer", "peer_url", help="Base URL of a peer replica to bootstrap from.")
 @click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")

@@ -128,3 +128,15 @@ def test_the_worker_section_is_worker_options_and_its_parts_default_to_it(tmp_pa
     path.write_text('[worker]\nmode = "merge"\n')
     with pytest.raises(SettingsError, match=r"`worker.mode`: Input should be 'dedup' or 'passthrough'"):
         load_settings(path)
+
+
+def test_a_worker_flag_is_held_to_its_setting_s_bounds() -> None:
+    from click.testing import CliRunner
+
+    from kvstream.worker.cli import worker
+
+    out = CliRunner().invoke(worker, ["--engine", "zmq", "--endpoint", "tcp://127.0.0.1:1", "--worker-id", "1",
+                                      "--lease-ms", "0", "--checkpoint-s", "0"])
+    assert out.exit_code == 1, out.output
+    assert "`worker.lease_ms`: Input should be greater than or equal to 1 (got 0)" in out.output
+    assert "`worker.checkpoint_s`: Input should be greater than 0 (got 0.0)" in out.output
