@@ -72,7 +72,9 @@ def test_the_peer_token_presented_is_the_peer_scope_s_else_the_shared_one(tmp_pa
     path.write_text('[replica]\ntoken = "shared"\n')
     assert replica_options(load_settings(path)).peer_token == "shared"
     path.write_text('[replica]\ntoken = "shared"\npeer_token = "peers"\n')
-    assert replica_options(load_settings(path)).peer_token == "peers"
+    options = replica_options(load_settings(path))
+    assert options.peer_token == "peers" and "peers" not in repr(options)
+    assert "shared" not in repr(load_settings(path).replica.to_options(ServerOptions))
 
 
 def test_a_key_defined_twice_or_a_setting_passed_by_code_is_refused() -> None:
