@@ -74,7 +74,8 @@ def test_the_peer_token_presented_is_the_peer_scope_s_else_the_shared_one(tmp_pa
     path.write_text('[replica]\ntoken = "shared"\npeer_token = "peers"\n')
     options = replica_options(load_settings(path))
     assert options.peer_token == "peers" and "peers" not in repr(options)
-    assert "shared" not in repr(load_settings(path).replica.to_options(ServerOptions))
+    section = load_settings(path).replica
+    assert "shared" not in repr(section) and "shared" not in repr(section.to_options(ServerOptions))
 
 
 def test_a_key_defined_twice_or_a_setting_passed_by_code_is_refused() -> None:
