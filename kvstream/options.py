@@ -13,9 +13,10 @@ from typing import Any
 INTERNAL = "kvstream.internal"
 
 
-def internal(default: Any = MISSING, *, default_factory: Any = MISSING) -> Any:
-    """A dataclass field that is no setting: code passes it, or its default holds."""
-    return field(default=default, default_factory=default_factory, metadata={INTERNAL: True})
+def internal(default: Any = MISSING, *, default_factory: Any = MISSING, repr: bool = True) -> Any:  # noqa: A002
+    """A dataclass field that is no setting: code passes it, or its default holds
+    (``repr=False`` for a secret)."""
+    return field(default=default, default_factory=default_factory, repr=repr, metadata={INTERNAL: True})
 
 
 def is_internal(f: Field) -> bool:

@@ -96,8 +96,12 @@ def section(name: str, doc: str, *options: type) -> type[Section]:
         for f in own:
             if f.name in fields_:
                 raise TypeError(f"{name}: `{f.name}` is defined by two of {[c.__name__ for c in options]}")
-            default = Field(default_factory=f.default_factory) if f.default_factory is not MISSING else f.default
-            fields_[f.name] = (hints[f.name], ... if default is MISSING else default)
+            # A secret's repr=False holds for the section too.
+            if f.default_factory is not MISSING:
+                spec = Field(default_factory=f.default_factory, repr=f.repr)
+            else:
+                spec = Field(... if f.default is MISSING else f.default, repr=f.repr)
+            fields_[f.name] = (hints[f.name], spec)
         keys[cls] = tuple(f.name for f in own)
     model = create_model(name, __base__=Section, __doc__=doc, __module__=__name__, **fields_)
     model.options = keys

@@ -22,7 +22,7 @@ from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.replica.auth import TokenError, Tokens, read_token
 from kvstream.replica.errors import ReplicaError
 from kvstream.replica.http_limits import fit_connections, guarded_protocol
-from kvstream.replica.options import HttpLimits, ReplicaOptions
+from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
 from kvstream.replica.replica import Replica
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, Settings, SettingsError, explain, load_settings
@@ -32,23 +32,24 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+#: The defaults the flags' help shows.
+_SERVER = ServerOptions()
+
 
 #: The field of SchedulerConfig that a route request may set but [router] has no key for.
 PER_REQUEST_ONLY = frozenset({"allowed_workers"})
 
 
 def router_config(settings: Settings) -> RouterConfig:
-    """[router] as the router's config: every other field of SchedulerConfig is a key
-    there (a missing one fails here; tests/settings pin the two sets)."""
+    """[router] as the router's config: every field of RouterConfig and (but the
+    per-request one) of its SchedulerConfig is a key there (a missing one fails here;
+    tests/settings pin the sets)."""
     r = settings.router
-    return RouterConfig(
-        block_size=r.block_size,
-        scheduler=SchedulerConfig(
-            **{f.name: getattr(r, f.name) for f in fields(SchedulerConfig) if f.name not in PER_REQUEST_ONLY}
-        ),
-        request_ttl_s=r.request_ttl_s,
-        compiled=r.compiled,
+    scheduler = SchedulerConfig(
+        **{f.name: getattr(r, f.name) for f in fields(SchedulerConfig) if f.name not in PER_REQUEST_ONLY}
     )
+    own = {f.name: getattr(r, f.name) for f in fields(RouterConfig) if f.name != "scheduler"}
+    return RouterConfig(scheduler=scheduler, **own)
 
 
 def tokens(settings: Settings) -> Tokens:
@@ -141,8 +142,8 @@ class _Server(uvicorn.Server):
 @click.command("router")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
 @click.option("--bootstrap", help="Kafka bootstrap servers (default: the local broker).")
-@click.option("--host", help="HTTP bind address [127.0.0.1].")
-@click.option("--port", type=int, help="HTTP port [8470].")
+@click.option("--host", help=f"HTTP bind address [{_SERVER.host}].")
+@click.option("--port", type=int, help=f"HTTP port [{_SERVER.port}].")
 @click.option("--snapshot-dir", type=click.Path(file_okay=False, path_type=Path), help="Where snapshots live.")
 @click.option("--peer", "peer_url", help="Base URL of a peer replica to bootstrap from.")
 @click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")

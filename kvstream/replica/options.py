@@ -108,7 +108,7 @@ class ReplicaOptions:
     peer_url: str | None = None
     #: The bearer token presented to the peer (with its peer scope): the settings'
     #: ``peer_token``, else ``token`` (kvstream.replica.cli).
-    peer_token: str | None = internal(None)
+    peer_token: str | None = internal(None, repr=False)
     #: Largest peer snapshot accepted (bytes); CA bundle that verifies an https peer.
     peer_max_bytes: Annotated[int, Field(ge=1)] = 16 * 1024**3
     peer_ca_file: Path | None = None

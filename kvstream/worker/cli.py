@@ -27,12 +27,21 @@ from kvstream.worker.errors import (
 from kvstream.worker.fence import TakeOverWatch, describe
 from kvstream.worker.incarnation import Incarnation, live_incarnation
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
+from kvstream.worker.options import DEFAULTS
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
 from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, Flavour
 
 log = get_logger(__name__)
 
 ENGINES = ("zmq", "vllm", "sglang", "synthetic")
+
+
+def _setting(key: str, what: str = "") -> str:
+    """A flag's help: what it does, and the [worker] setting it overrides (its bounds
+    and default are that setting's, kvstream.worker.options)."""
+    default = getattr(DEFAULTS, key)
+    shown = "" if default is None else f", default {getattr(default, 'value', default)}"
+    return f"{what} [settings: worker.{key}{shown}]".lstrip()
 
 
 @click.command("worker")
@@ -69,14 +78,14 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks. [settings: worker.state_dir]",
+    help=_setting("state_dir", "Keep the bridge's state here (RocksDB) to survive its restarts without losing blocks."),
 )
-@click.option("--checkpoint-s", type=click.FloatRange(0.1), help="With --state-dir: checkpoint period. [settings: worker.checkpoint_s, default 10]")
+@click.option("--checkpoint-s", type=float, help=_setting("checkpoint_s", "With --state-dir: checkpoint period."))
 @click.option(
     "--offload-blocks-per-chunk",
-    type=click.IntRange(1),
-    help="vLLM: the offloading connector's blocks_per_chunk, when its KV events are not self-describing "
-    "(each offload event then names a chunk by its last block). [settings: worker.offload_blocks_per_chunk, default 1]",
+    type=int,
+    help=_setting("offload_blocks_per_chunk", "vLLM: the offloading connector's blocks_per_chunk, when its KV events "
+                  "are not self-describing (each offload event then names a chunk by its last block)."),
 )
 @click.option(
     "--engine-url",
@@ -97,12 +106,12 @@ ENGINES = ("zmq", "vllm", "sglang", "synthetic")
 )
 @click.option("--bootstrap", envvar="KVSTREAM_BOOTSTRAP", help="Kafka bootstrap servers (default: the local broker).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML settings file.")
-@click.option("--mode", type=click.Choice([m.value for m in Mode]), help="[settings: worker.mode, default dedup]")
-@click.option("--lease-ms", type=click.IntRange(1), help="[settings: worker.lease_ms, default 10000]")
-@click.option("--heartbeat-s", type=click.FloatRange(0.01), help="[settings: worker.heartbeat_s, default 2]")
-@click.option("--linger-ms", type=click.FloatRange(0), help="[settings: worker.linger_ms, default 5]")
-@click.option("--queue-full", type=click.Choice([q.value for q in QueueFull]), help="[settings: worker.queue_full, default block]")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Prometheus port; 0: none. [settings: worker.metrics_port]")
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), help=_setting("mode"))
+@click.option("--lease-ms", type=int, help=_setting("lease_ms"))
+@click.option("--heartbeat-s", type=float, help=_setting("heartbeat_s"))
+@click.option("--linger-ms", type=float, help=_setting("linger_ms"))
+@click.option("--queue-full", type=click.Choice([q.value for q in QueueFull]), help=_setting("queue_full"))
+@click.option("--metrics-port", type=int, help=_setting("metrics_port", "Prometheus port; 0: none."))
 @click.option(
     "--metrics-addr", default="127.0.0.1", show_default=True,
     help="Address the Prometheus endpoint binds (0.0.0.0: every interface).",

@@ -14,7 +14,7 @@ import pytest
 from kvstream.options import internal, is_internal
 from kvstream.replica.cli import PER_REQUEST_ONLY, http_limits, replica_options, router_config
 from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
-from kvstream.router import SchedulerConfig
+from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, RouterSettings, SettingsError, WorkerSettings, load_settings, section
 
 REPLICA = (ServerOptions, HttpLimits, ReplicaOptions)
@@ -72,7 +72,10 @@ def test_the_peer_token_presented_is_the_peer_scope_s_else_the_shared_one(tmp_pa
     path.write_text('[replica]\ntoken = "shared"\n')
     assert replica_options(load_settings(path)).peer_token == "shared"
     path.write_text('[replica]\ntoken = "shared"\npeer_token = "peers"\n')
-    assert replica_options(load_settings(path)).peer_token == "peers"
+    options = replica_options(load_settings(path))
+    assert options.peer_token == "peers" and "peers" not in repr(options)
+    section = load_settings(path).replica
+    assert "shared" not in repr(section) and "shared" not in repr(section.to_options(ServerOptions))
 
 
 def test_a_key_defined_twice_or_a_setting_passed_by_code_is_refused() -> None:
@@ -101,7 +104,9 @@ def test_every_router_key_is_a_field_of_the_router_s_config() -> None:
     being reworked with the compiled core); this pins it to SchedulerConfig until it
     is derived too: router_config fails on a missing key, this on an extra one."""
     scheduler = {f.name for f in fields(SchedulerConfig)} - PER_REQUEST_ONLY
-    assert set(RouterSettings.model_fields) == scheduler | {"block_size", "request_ttl_s", "compiled", "require_registration"}
+    router = {f.name for f in fields(RouterConfig)} - {"scheduler"}
+    # require_registration is the admission rule's (kvstream.replica.admission).
+    assert set(RouterSettings.model_fields) == scheduler | router | {"require_registration"}
     assert router_config(load_settings()).scheduler == SchedulerConfig()
 
 
@@ -126,3 +131,15 @@ def test_the_worker_section_is_worker_options_and_its_parts_default_to_it(tmp_pa
     path.write_text('[worker]\nmode = "merge"\n')
     with pytest.raises(SettingsError, match=r"`worker.mode`: Input should be 'dedup' or 'passthrough'"):
         load_settings(path)
+
+
+def test_a_worker_flag_is_held_to_its_setting_s_bounds() -> None:
+    from click.testing import CliRunner
+
+    from kvstream.worker.cli import worker
+
+    out = CliRunner().invoke(worker, ["--engine", "zmq", "--endpoint", "tcp://127.0.0.1:1", "--worker-id", "1",
+                                      "--lease-ms", "0", "--checkpoint-s", "0"])
+    assert out.exit_code == 1, out.output
+    assert "`worker.lease_ms`: Input should be greater than or equal to 1 (got 0)" in out.output
+    assert "`worker.checkpoint_s`: Input should be greater than 0 (got 0.0)" in out.output
