@@ -35,16 +35,19 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
-    Producer,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec, EventCodec
+from kvstream.events.control import MAX_REASON_CHARS, RESYNC_REQUEST, ResyncRequest
 from kvstream.events.errors import DecodeError
+from kvstream.events.wire import key_worker
 from kvstream.gateway.registry import RegistrationCodec, WorkerRegistry
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
+from kvstream.kafka.metadata import end_offsets, topic_partitions, watermarks
+from kvstream.kafka.producer import CountingProducer
 from kvstream.kafka.topics import topic_id
 from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
@@ -71,7 +74,6 @@ from kvstream.settings import Settings
 
 log = get_logger(__name__)
 
-RESYNC_REQUEST = "kvstream.control.ResyncRequest"
 _ERROR_HEADER = "kvstream-error"
 _SOURCE_HEADER = "kvstream-source"
 #: How long a starting replica waits for the broker's first answer (s).
@@ -183,7 +185,11 @@ class Replica:
         self._new_partitions: list[int] = []
         self._last_metadata = time.monotonic()
         # Load ops must reach the peers at once; a replica's few records need no batching.
-        self._producer = Producer(producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}))
+        self._producer = CountingProducer(
+            producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 2}),
+            on_refused=lambda what, error: self.metrics.produce_refused.labels(what=what, error=error).inc(),
+            on_failed=lambda _what, _error: self.metrics.produce_failures.inc(),
+        )
         self._lag: dict[int, int] = {}
         #: Wall-clock time since when the index has been known to be behind (lag past
         #: ready_max_lag) and since when the broker has not answered, or None.
@@ -314,19 +320,18 @@ class Replica:
         return the offset to start each partition at."""
         admin = AdminClient(admin_config(self.settings))
         try:
-            md = admin.list_topics(self.events_topic, timeout=CONNECT_TIMEOUT_S)
+            partitions = topic_partitions(admin, self.events_topic, CONNECT_TIMEOUT_S)
         except KafkaException as exc:
             raise RecoveryError(
                 f"cannot reach Kafka at {admin_config(self.settings)['bootstrap.servers']} within "
                 f"{CONNECT_TIMEOUT_S:.0f} s ({exc.args[0].str() if exc.args else exc}): is the broker up "
                 "(`kvstream broker start`) and the bootstrap right (--bootstrap, KVSTREAM_BOOTSTRAP)?"
             ) from None
-        tmd = md.topics.get(self.events_topic)
-        if tmd is None or tmd.error is not None:
+        if not partitions:
             raise RecoveryError(
                 f"topic {self.events_topic} is missing (create it with `kvstream topics create`)"
             )
-        self.partition_count = len(tmd.partitions)
+        self.partition_count = len(partitions)
         self.topic_id = topic_id(self.settings, self.events_topic)
         loaded = None
         if self._store_note is not None:
@@ -393,22 +398,13 @@ class Replica:
             return f"it was written for topic {meta.topic}, not {self.events_topic}"
         return None
 
-    def _bounds(self, timeout: float) -> dict[int, tuple[int, int]]:
+    def _bounds(self, timeout: float, retry: bool = True) -> dict[int, tuple[int, int]]:
         """(earliest, end) offset of every partition; retried while a new topic's
         leaders are still being elected."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return {
-                    p: self._watermarks.get_watermark_offsets(
-                        TopicPartition(self.events_topic, p), timeout=5, cached=False
-                    )
-                    for p in range(self.partition_count)
-                }
-            except KafkaException as exc:
-                if time.monotonic() > deadline:
-                    raise RecoveryError(f"cannot read the offsets of {self.events_topic}: {exc}") from None
-                time.sleep(0.2)
+        try:
+            return watermarks(self._watermarks, self.events_topic, range(self.partition_count), timeout, retry=retry)
+        except KafkaException as exc:
+            raise RecoveryError(f"cannot read the offsets of {self.events_topic}: {exc}") from None
 
     def _await_resync(self, dropped: dict[int, int]) -> None:
         self._awaiting_resync.update(dropped)
@@ -549,26 +545,7 @@ class Replica:
             headers = [(_REF_HEADER, f"size={size} sha256={digest}".encode())]
             key = key if key is not None and len(key) <= 1024 else None
         headers += [(_ERROR_HEADER, reason[:2000].encode()), (_SOURCE_HEADER, source.encode())]
-        self._produce("dlq", self.settings.topics.name("dlq"), value=value, key=key, headers=headers)
-
-    def _produce(self, what: str, topic: str, poll: bool = True, **kw) -> None:
-        """Produce without ever raising: a record the producer refuses at once (too
-        large, queue full, ...) is counted and logged; the caller goes on. ``poll``:
-        serve delivery reports now, else at the ingest loop's next housekeeping (at
-        most 50 ms away)."""
-        try:
-            self._producer.produce(topic, on_delivery=self._delivery, **kw)
-        except Exception as exc:  # noqa: BLE001 - never raise: e.g. a header the client refuses
-            error = exc.args[0].name() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else type(exc).__name__
-            self.metrics.produce_refused.labels(what=what, error=error).inc()
-            log.error("produce refused", what=what, topic=topic, error=str(exc))
-        if poll:
-            self._producer.poll(0)
-
-    def _delivery(self, err, _msg) -> None:
-        if err is not None:
-            self.metrics.produce_failures.inc()
-            log.error("produce failed", error=str(err))
+        self._producer.produce("dlq", self.settings.topics.name("dlq"), value=value, key=key, headers=headers)
 
     def _fold_resync(self, partition: int, offset: int, wid: int, why: str | None) -> None:
         """The fold asks ``wid`` to resync (a gap, an id conflict, a stale or moved
@@ -608,14 +585,10 @@ class Replica:
             return
         self._last_resync[worker_id] = now
         self.metrics.resync_requests.inc()
-        wid = None if worker_id is None else (worker_id - (1 << 64) if worker_id >= 1 << 63 else worker_id)
-        value = self.codec.encode(
-            RESYNC_REQUEST,
-            {"worker_id": wid, "requester": self.replica_id, "reason": reason[:500],
-             "requested_at_ms": int(time.time() * 1000),
-             "above_epoch": None if above_epoch is None else (above_epoch - (1 << 64) if above_epoch >= 1 << 63 else above_epoch)},
-        )
-        self._produce("resync", self.settings.topics.name("control"), value=value)
+        request = ResyncRequest(worker_id, self.replica_id, reason[:MAX_REASON_CHARS], int(time.time() * 1000),
+                                above_epoch)
+        value = self.codec.encode(RESYNC_REQUEST, request.to_record())
+        self._producer.produce("resync", self.settings.topics.name("control"), value=value)
 
     def _housekeeping(self) -> None:
         self._flush_deferred()
@@ -626,7 +599,7 @@ class Replica:
 
     def _produce_tick(self, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
         self.metrics.ticks.inc()
-        self._produce("tick", self.events_topic, value=value, key=key, partition=partition, headers=headers)
+        self._producer.produce("tick", self.events_topic, value=value, key=key, partition=partition, headers=headers)
 
     def _lag_loop(self) -> None:
         # Its own thread: a slow broker answer must never stall ingest.
@@ -641,13 +614,10 @@ class Replica:
         """Find partitions added to the events topic since the last check."""
         self._last_metadata = time.monotonic()
         try:
-            md = self._watermarks.list_topics(self.events_topic, timeout=10).topics.get(self.events_topic)
+            count = len(topic_partitions(self._watermarks, self.events_topic, 10))
         except KafkaException as exc:
             log.warning("metadata check failed", error=str(exc))
             return
-        if md is None or md.error is not None:
-            return
-        count = len(md.partitions)
         if count <= self.partition_count:
             return
         with self.lock:
@@ -662,7 +632,7 @@ class Replica:
     def _update_lag(self) -> None:
         offsets = self.positions()
         try:
-            bounds = self._bounds(timeout=0)
+            bounds = self._bounds(timeout=5, retry=False)
         except RecoveryError as exc:
             # Leases run in log time, so nothing expires while no record arrives: say
             # that the index is frozen rather than report a lag of 0.
@@ -710,8 +680,8 @@ class Replica:
 
     def _note_worker_status(self, record: Record) -> None:
         """A worker's engine issues (STATUS_HEADER), shown by /v1/workers."""
-        if record.key is not None and len(record.key) == 8:
-            self._worker_status[int.from_bytes(record.key, "big")] = dict(record.status or {})
+        if (wid := key_worker(record.key)) is not None:
+            self._worker_status[wid] = dict(record.status or {})
 
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
@@ -751,8 +721,8 @@ class Replica:
         consumer = Consumer(consumer_config(self.settings))
         try:
             while not self._stop.is_set():
-                md = consumer.list_topics(topic, timeout=30).topics.get(topic)
-                if md is not None and md.error is None and md.partitions:
+                parts = topic_partitions(consumer, topic, 30)
+                if parts:
                     break
                 # Not ready-blocking: /v1/route works without it; the gateway has no workers.
                 self._registry_loaded.set()
@@ -760,8 +730,7 @@ class Replica:
                 self._stop.wait(10)
             else:
                 return
-            parts = sorted(md.partitions)
-            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
+            ends = end_offsets(consumer, topic, parts, 30)
             consumer.assign([TopicPartition(topic, p, self._registry_next.get(p, OFFSET_BEGINNING)) for p in parts])
             while not self._stop.is_set():
                 for m in consumer.consume(500, 0.1):
@@ -799,14 +768,12 @@ class Replica:
         topic = self.settings.topics.name("active")
         consumer = Consumer(consumer_config(self.settings, **{"auto.offset.reset": "latest"}))
         try:
-            md = consumer.list_topics(topic, timeout=30).topics.get(topic)
-            if md is None or md.error is not None:
+            parts = topic_partitions(consumer, topic, 30)
+            if not parts:
                 log.error("active topic missing; load is not shared", topic=topic)
                 return
             since_ms = int((time.time() - self.options.active_window_s) * 1000)
-            tps = consumer.offsets_for_times(
-                [TopicPartition(topic, p, since_ms) for p in md.partitions], timeout=30
-            )
+            tps = consumer.offsets_for_times([TopicPartition(topic, p, since_ms) for p in parts], timeout=30)
             consumer.assign([tp if tp.offset >= 0 else TopicPartition(topic, tp.partition, OFFSET_END) for tp in tps])
             while not self._stop.is_set():
                 for m in consumer.consume(500, 0.1):
@@ -884,7 +851,7 @@ class Replica:
         if owner is not None:
             headers.append((_SENDER_HEADER, self.replica_id.encode()))
         # Three ops per relayed request: a poll after each would cost as much as the op.
-        self._produce(
+        self._producer.produce(
             "active", self.settings.topics.name("active"), poll=False,
             value=self.active_codec.encode(owner or self.replica_id, op), key=op.request_id.encode(),
             headers=headers,
