@@ -32,7 +32,7 @@ class CountingProducer:
     def __init__(
         self, config: dict[str, Any], *, on_refused: ProduceHook = _ignore, on_failed: ProduceHook = _ignore
     ) -> None:
-        self._producer = Producer(config)
+        self._producer: Producer | None = Producer(config)
         self._on_refused = on_refused
         self._on_failed = on_failed
         #: (what, error name) → records refused at once.
@@ -43,19 +43,26 @@ class CountingProducer:
     def produce(self, what: str, topic: str, *, poll: bool = True, **kw: Any) -> bool:
         """Hand a record to the client; False (counted, logged) when it refuses it.
         ``poll``: serve delivery reports now, else at the owner's next :meth:`poll`."""
+        producer = self._producer
+        if producer is None:
+            self._refuse(what, topic, "closed", "the producer is closed")
+            return False
         try:
-            self._producer.produce(topic, on_delivery=partial(self._delivery, what), **kw)
+            producer.produce(topic, on_delivery=partial(self._delivery, what), **kw)
             accepted = True
         except Exception as exc:  # noqa: BLE001 - never raise: e.g. a header the client refuses
             error = (exc.args[0].name() if isinstance(exc, KafkaException) and exc.args
                      and isinstance(exc.args[0], KafkaError) else type(exc).__name__)
-            self.refused[(what, error)] += 1
-            self._on_refused(what, error)
-            log.error("produce refused", what=what, topic=topic, error=str(exc))
+            self._refuse(what, topic, error, str(exc))
             accepted = False
         if poll:
-            self._producer.poll(0)
+            producer.poll(0)
         return accepted
+
+    def _refuse(self, what: str, topic: str, error: str, detail: str) -> None:
+        self.refused[(what, error)] += 1
+        self._on_refused(what, error)
+        log.error("produce refused", what=what, topic=topic, error=detail)
 
     def _delivery(self, what: str, err: KafkaError | None, _msg: Any) -> None:
         if err is None:
@@ -66,9 +73,14 @@ class CountingProducer:
 
     def poll(self, timeout: float = 0) -> int:
         """Serve delivery reports (the hooks run here); returns how many were served."""
-        return self._producer.poll(timeout)
+        return 0 if self._producer is None else self._producer.poll(timeout)
 
     def flush(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for every record's delivery; returns how many are
         still undelivered."""
-        return self._producer.flush(timeout)
+        return 0 if self._producer is None else self._producer.flush(timeout)
+
+    def close(self) -> None:
+        """Release the client (it stops dialling the broker); what is produced after
+        is refused (``closed``). Flush first to wait for what is queued."""
+        self._producer = None

@@ -144,3 +144,13 @@ def test_counting_producer_counts_what_the_client_refuses(kafka_topics: Settings
     assert not producer.failed
     # Only what was accepted reached the topic, in order.
     assert [v for _, v in _read_all(kafka_topics, topic, kafka_topics.topics.dlq_partitions)] == [b"one", b"two"]
+
+
+def test_a_closed_counting_producer_refuses_without_raising() -> None:
+    refused: list[tuple[str, str]] = []
+    producer = CountingProducer(producer_config(Settings(bootstrap=_dead_bootstrap())),
+                                on_refused=lambda what, error: refused.append((what, error)))
+    producer.close()
+    assert not producer.produce("active", "kvstream.active", value=b"an op")
+    assert producer.flush(1) == 0 and producer.poll(0) == 0
+    assert refused == [("active", "closed")]
