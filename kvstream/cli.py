@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvstream.logs import configure_logging
+from kvstream.logs import DEFAULT_FORMAT, DEFAULT_LEVEL, FORMATS, LEVELS, configure_logging
 
 #: name → ("module:attribute" of a click command, its one-line summary for --help: listing
 #: the commands must not import them, or `kvstream --help` would load torch).
@@ -79,18 +79,16 @@ def _unavailable(name: str, exc: ModuleNotFoundError) -> click.Command:
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", envvar="KVSTREAM_LOG_LEVEL", default="INFO", show_default=True)
-@click.option(
-    "--log-format",
-    envvar="KVSTREAM_LOG_FORMAT",
-    type=click.Choice(["console", "json"]),
-    default="console",
-    show_default=True,
-)
+@click.option("--log-level", envvar="KVSTREAM_LOG_LEVEL", type=click.Choice(LEVELS, case_sensitive=False),
+              help=f"[settings: log_level, default {DEFAULT_LEVEL}]")
+@click.option("--log-format", envvar="KVSTREAM_LOG_FORMAT", type=click.Choice(FORMATS),
+              help=f"[settings: log_format, default {DEFAULT_FORMAT}]")
 @click.version_option(package_name="kvstream")
-def cli(log_level: str, log_format: str) -> None:
+def cli(log_level: str | None, log_format: str | None) -> None:
     """kvstream: KV-cache-aware routing for LLM inference fleets, event-sourced on Kafka."""
-    configure_logging(level=log_level, fmt=log_format)
+    # A command that reads the settings configures it again with their log_level and
+    # log_format (TOML included; these flags still win): kvstream.logs.logging_flags.
+    configure_logging(level=log_level or DEFAULT_LEVEL, fmt=log_format or DEFAULT_FORMAT)
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ objects of a block (their u64 hashes, sorted) are appended to its token bytes as
 little-endian u64; extra tokens of a block (vLLM's ``lookahead_token_ids``, Dynamo's
 EAGLE window) are appended as u32 like its own tokens.
 
-The compiled kernel (``kvstream._native``, Rust) hashes a whole prompt per call; without
-it the pure-Python definitions below are used, with identical results.
+The compiled kernel (``kvstream._native``, Rust) hashes a whole prompt per call (the
+package does not run without it: the codec and the index need it too); tests/hashing
+checks it against the spec written out in Python.
 """
 
 from __future__ import annotations
@@ -25,19 +26,13 @@ from functools import lru_cache
 
 import xxhash
 
+from kvstream import _native
+
 DEFAULT_BLOCK_SIZE = 16
 #: Seed of local hashes without LoRA, and of the sequence-hash chain (always).
 CHAIN_SEED = 1337
 _U64 = (1 << 64) - 1
 _TOKEN_ERROR = "token ids must be a sequence of integers in [0, 2**32)"
-
-try:
-    from kvstream import _native
-except ImportError:  # source tree without the compiled kernel
-    _native = None  # type: ignore[assignment]
-
-#: True when the compiled kernel is in use.
-HAVE_KERNEL = _native is not None
 
 #: A list/tuple of ints, or any buffer of native u32 (numpy uint32, array('I')).
 TokenIds = Sequence[int]
@@ -87,13 +82,6 @@ def block_mm_hashes(spans: Iterable[MmSpan], block_size: int) -> dict[int, list[
     return out
 
 
-def chain_hash(parent: int, local: int) -> int:
-    """Sequence hash of a block whose parent has sequence hash ``parent``."""
-    return xxhash.xxh3_64_intdigest(
-        parent.to_bytes(8, "little") + local.to_bytes(8, "little"), CHAIN_SEED
-    )
-
-
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -106,33 +94,9 @@ def _token_bytes(tokens: TokenIds) -> bytes:
         raise ValueError(_TOKEN_ERROR) from None
 
 
-def py_block_hashes(
-    tokens: TokenIds, block_size: int, seed: int, with_sequence: bool
-) -> tuple[list[int], list[int]]:
-    """Pure-Python definition of the kernel's ``block_hashes`` (same results)."""
-    _check_block_size(block_size)
-    raw = _token_bytes(tokens)
-    step = 4 * block_size
-    digest = xxhash.xxh3_64_intdigest
-    local = [digest(raw[i : i + step], seed) for i in range(0, len(raw) - step + 1, step)]
-    return local, (py_sequence_hashes(local) if with_sequence else [])
-
-
-def py_sequence_hashes(local: Iterable[int], parent: int | None = None) -> list[int]:
-    """Pure-Python definition of the kernel's ``sequence_hashes``."""
-    out: list[int] = []
-    prev = parent
-    for h in local:
-        prev = h if prev is None else chain_hash(prev, h)
-        out.append(prev)
-    return out
-
-
 def _block_hashes(
     tokens: TokenIds, block_size: int, seed: int, with_sequence: bool
 ) -> tuple[list[int], list[int]]:
-    if _native is None:
-        return py_block_hashes(tokens, block_size, seed, with_sequence)
     try:
         return _native.block_hashes(tokens, block_size, seed, with_sequence)
     except (OverflowError, TypeError):
@@ -203,8 +167,6 @@ def block_hashes(
 
 def sequence_hashes(local: Sequence[int], parent: int | None = None) -> list[int]:
     """Chained sequence hashes of ``local``, continuing from ``parent`` when given."""
-    if _native is None:
-        return py_sequence_hashes(local, parent)
     try:
         return _native.sequence_hashes(local, parent)
     except (OverflowError, TypeError):

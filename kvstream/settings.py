@@ -6,18 +6,29 @@ The file is named by ``--config`` or ``KVSTREAM_CONFIG``. An unknown key at any 
 an error that names the nearest valid one (a typo must never pass silently); an unknown
 ``KVSTREAM_*`` variable is warned about. ``kvstream config show`` prints the effective
 settings and where each came from.
+
+A section is defined by frozen option dataclasses (kvstream.options): ``[replica]`` by
+kvstream.replica.options, ``[worker]`` by kvstream.worker.options, ``[gateway]`` by
+kvstream.gateway.options (validated as the dataclass itself). :func:`section` derives a
+section from them and ``Section.to_options`` gives each dataclass back, so that a key
+cannot exist on one side only. ``[topics]`` and ``[fold]`` are written out here: no
+dataclass repeats them (the fold's kvstream.replica.authority.LogAuthority is built by
+``authority_from_settings``); ``[router]`` too for now, pinned to the router's
+SchedulerConfig by tests/settings/test_one_definition.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import tomllib
-import uuid
+from dataclasses import MISSING
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -27,6 +38,12 @@ from pydantic_settings import (
 )
 
 from kvstream.gateway.options import GatewayOptions
+from kvstream.logs import DEFAULT_FORMAT, DEFAULT_LEVEL, FORMATS, LEVELS, get_logger
+from kvstream.options import is_internal
+from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
+from kvstream.worker.options import WorkerOptions
+
+T = TypeVar("T")
 
 _config_file: Path | None = None
 _warned = False  # unknown KVSTREAM_* variables are reported once per process
@@ -40,6 +57,51 @@ class Section(BaseModel):
     """A section of the settings: an unknown key in it is an error, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+    #: Of a section made by :func:`section`: each option dataclass → its keys here.
+    options: ClassVar[dict[type, tuple[str, ...]]] = {}
+
+    def to_options(self, cls: type[T], **internal: Any) -> T:
+        """The option dataclass ``cls`` this section is derived from, with this section's
+        values; ``internal`` sets fields that are no settings (kvstream.options.internal)."""
+        keys = type(self).options.get(cls)
+        if keys is None:
+            raise TypeError(f"{type(self).__name__} is not derived from {cls.__name__}")
+        settable = {f.name for f in dataclasses.fields(cls) if is_internal(f)}
+        if not settable.issuperset(internal):
+            raise TypeError(f"{cls.__name__}: {sorted(set(internal) - settable)} are settings, not internal fields")
+        return cls(**{k: getattr(self, k) for k in keys}, **internal)
+
+    @model_validator(mode="after")
+    def _options_hold(self) -> Section:
+        # The dataclasses' own checks (__post_init__) at load time, with the key's section
+        # in the message, rather than at first use; one that needs an internal value
+        # without a default is checked when code makes it.
+        for cls in type(self).options:
+            if all(f.default is not MISSING or f.default_factory is not MISSING
+                   for f in dataclasses.fields(cls) if is_internal(f)):
+                self.to_options(cls)
+        return self
+
+
+def section(name: str, doc: str, *options: type) -> type[Section]:
+    """A section whose keys are the fields of the frozen option dataclasses ``options``
+    (name, type with its bounds, default: defined there once), less their internal
+    ones. A key two of them define is an error here, at import."""
+    fields_: dict[str, Any] = {}
+    keys: dict[type, tuple[str, ...]] = {}
+    for cls in options:
+        hints = get_type_hints(cls, include_extras=True)
+        own = [f for f in dataclasses.fields(cls) if not is_internal(f)]
+        for f in own:
+            if f.name in fields_:
+                raise TypeError(f"{name}: `{f.name}` is defined by two of {[c.__name__ for c in options]}")
+            default = Field(default_factory=f.default_factory) if f.default_factory is not MISSING else f.default
+            fields_[f.name] = (hints[f.name], ... if default is MISSING else default)
+        keys[cls] = tuple(f.name for f in own)
+    model = create_model(name, __base__=Section, __doc__=doc, __module__=__name__, **fields_)
+    model.options = keys
+    return model
 
 
 class TopicSettings(Section):
@@ -102,74 +164,10 @@ class RouterSettings(Section):
     require_registration: bool = True
 
 
-class ReplicaSettings(Section):
-    """How ``kvstream router`` runs a replica (DESIGN.md §7, §9)."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(8470, ge=0, le=65535)
-    #: Bearer token accepted for every scope of the HTTP API (unset: see the scoped ones;
-    #: none at all: an open API, allowed on loopback only). kvstream.replica.auth.
-    token: str | None = Field(None, min_length=1)
-    token_file: Path | None = None
-    #: Tokens of one scope each: routing clients, operators (snapshot, workers), peers.
-    #: ``peer_token`` is also what this replica presents to ``peer_url``.
-    client_token: str | None = Field(None, min_length=1)
-    client_token_file: Path | None = None
-    operator_token: str | None = Field(None, min_length=1)
-    operator_token_file: Path | None = None
-    peer_token: str | None = Field(None, min_length=1)
-    peer_token_file: Path | None = None
-    #: Bind a non-loopback address without any token (refused unless set).
-    allow_open_bind: bool = False
-    #: TLS for the HTTP API (PEM files; uvicorn's ssl_*); a CA bundle to verify an https peer.
-    tls_certfile: Path | None = None
-    tls_keyfile: Path | None = None
-    peer_ca_file: Path | None = None
-    #: Largest peer snapshot accepted at bootstrap (bytes).
-    peer_max_bytes: int = Field(16 * 1024**3, ge=1)
-    #: Serve /docs and /openapi.json.
-    http_docs: bool = False
-    #: HTTP limits (kvstream.replica.http_limits): request body cap (bytes, checked
-    #: before parsing), time to send the headers and the body, open connections,
-    #: routing decisions computed at once off the event loop, the largest route body
-    #: decided on the event loop (bytes), /v1/snapshot streams.
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    header_timeout_s: float = Field(10.0, gt=0)
-    body_timeout_s: float = Field(30.0, gt=0)
-    max_connections: int = Field(1000, ge=2)
-    #: Connections kept beyond max_connections for /healthz and /readyz alone.
-    probe_connections: int = Field(16, ge=0)
-    #: Body bytes all requests in progress may hold together (429 past it).
-    max_buffered_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    route_threads: int = Field(4, ge=1)
-    inline_route_bytes: int = Field(256 * 1024, ge=0)
-    snapshot_streams: int = Field(2, ge=1)
-    snapshot_dir: Path | None = None
-    snapshot_every_records: int = Field(200_000, ge=0)
-    snapshot_every_s: float = Field(60.0, ge=0)
-    ready_max_lag: int = Field(1000, ge=0)
-    #: Once ready, refuse routing (503) while behind the log or cut off from the broker,
-    #: instead of routing with each decision marked stale.
-    refuse_when_stale: bool = False
-    tick_interval_s: float = Field(5.0, gt=0)
-    #: Names the replica in logs, ticks and its consumer group ``kvstream-<replica_id>``,
-    #: where it commits its read positions (for kafka-consumer-groups); keep it stable
-    #: across restarts (e.g. the host name). Default: random per start.
-    replica_id: str = Field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}", min_length=1)
-    #: Commit read positions this often (s); 0: never.
-    commit_interval_s: float = Field(1.0, ge=0)
-    #: After a recovery that dropped workers, stay unready until they resync, at most this long.
-    resync_wait_s: float = Field(10.0, ge=0)
-    peer_url: str | None = None
-
-    @model_validator(mode="after")
-    def _budget_holds_a_body(self) -> ReplicaSettings:
-        if self.max_buffered_body_bytes < self.max_body_bytes:
-            raise ValueError(
-                f"max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
-                f"max_body_bytes ({self.max_body_bytes}): a body of the largest size could never be read"
-            )
-        return self
+ReplicaSettings = section(
+    "ReplicaSettings", "How ``kvstream router`` runs a replica (DESIGN.md §7, §9).",
+    ServerOptions, HttpLimits, ReplicaOptions,
+)
 
 
 class FoldSettings(Section):
@@ -195,27 +193,7 @@ class FoldSettings(Section):
     allowed_workers: list[int] | None = None
 
 
-class WorkerSettings(Section):
-    """How ``kvstream worker`` consolidates and publishes (DESIGN.md §2, §3)."""
-
-    #: ``dedup`` (one merged device residency) or ``passthrough`` (every tier).
-    mode: Literal["dedup", "passthrough"] = "dedup"
-    #: Routers keep a silent worker this long (log time); must outlast the heartbeat.
-    lease_ms: int = Field(10_000, ge=1)
-    heartbeat_s: float = Field(2.0, gt=0)
-    #: How long events wait to share a Kafka message.
-    linger_ms: float = Field(5.0, ge=0)
-    #: A full producer queue blocks the worker (``block``) or fails it (``fail``).
-    queue_full: Literal["block", "fail"] = "block"
-    #: Prometheus port; 0: none.
-    metrics_port: int = Field(0, ge=0, le=65535)
-    #: Engine bridge: where it keeps its state across restarts (None: it does not).
-    state_dir: str | None = None
-    #: Engine bridge: checkpoint period (s), when the state changed.
-    checkpoint_s: float = Field(10.0, gt=0)
-    #: Engine bridge: vLLM's offloading ``blocks_per_chunk`` (its placeholder events
-    #: name a chunk by its last block; docs/ENGINES.md).
-    offload_blocks_per_chunk: int = Field(1, ge=1)
+WorkerSettings = section("WorkerSettings", "How ``kvstream worker`` consolidates and publishes.", WorkerOptions)
 
 
 class Settings(BaseSettings):
@@ -235,9 +213,27 @@ class Settings(BaseSettings):
     #: The OpenAI gateway of ``kvstream router`` (``[gateway]``, ``[[gateway.workers]]``):
     #: validated as kvstream.gateway.options.GatewayOptions, where each option is defined.
     gateway: GatewayOptions = Field(default_factory=GatewayOptions)
-    log_level: str = "INFO"
-    #: ``json`` for machines, ``console`` for people.
-    log_format: str = "console"
+    #: What the commands that read the settings (``kvstream router``, ``kvstream worker``)
+    #: log; ``kvstream --log-level`` / ``KVSTREAM_LOG_LEVEL`` win over the TOML file.
+    log_level: Literal[LEVELS] = DEFAULT_LEVEL
+    #: ``json`` for machines, ``console`` for people (``--log-format``, ``KVSTREAM_LOG_FORMAT``).
+    log_format: Literal[FORMATS] = DEFAULT_FORMAT
+
+    @model_validator(mode="after")
+    def _load_outlives_restarts(self) -> Settings:
+        # A (re)started replica rebuilds load from the last request_ttl_s of kvstream.active.
+        if self.router.request_ttl_s * 1000 > self.topics.active_retention_ms:
+            raise ValueError(
+                f"router.request_ttl_s ({self.router.request_ttl_s:g} s) is longer than topics.active_retention_ms "
+                f"({self.topics.active_retention_ms} ms): a restarted replica could not rebuild the load of the "
+                "requests older than the retention"
+            )
+        return self
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(
@@ -275,8 +271,6 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> Setting
     global _config_file, _warned
     if not _warned:
         _warned = True
-        from kvstream.logs import get_logger
-
         for var in unknown_variables():
             get_logger(__name__).warning("unknown variable: it sets nothing", variable=var)
     _config_file = _config_path(config)
@@ -299,14 +293,15 @@ def explain(exc: ValidationError, section: tuple[str, ...] = ()) -> str:
     for e in exc.errors():
         loc = [*section, *(str(p) for p in e["loc"])]
         where = ".".join(loc)
-        if e["type"] == "extra_forbidden":
+        # A model says extra_forbidden; a dataclass validated as one (GatewayOptions), the other.
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = _keys_at(loc[:-1])
             close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
             hint = f" (did you mean `{'.'.join([*loc[:-1], close[0]])}`?)" if close else ""
             lines.append(f"unknown setting `{where}`{hint}")
             continue
         value = "" if is_secret(where) or isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
-        lines.append(f"`{where}`: {e['msg']}{value}")
+        lines.append(f"`{where}`: {e['msg']}{value}" if where else e["msg"].removeprefix("Value error, "))
     return "invalid settings: " + "; ".join(lines)
 
 
@@ -316,14 +311,26 @@ def is_secret(key: str) -> bool:
 
 
 def _keys_at(loc: list[str]) -> list[str]:
-    """The valid keys of the section at ``loc`` (a list of field names)."""
-    model: Any = Settings
+    """The valid keys of the section at ``loc`` (field names, and indexes into a list of
+    entries such as ``[[gateway.workers]]``)."""
+    kind: Any = Settings
     for name in loc:
-        field = getattr(model, "model_fields", {}).get(name)
-        if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
+        if name.isdigit():
+            kind = next((a for a in get_args(kind) if a is not Ellipsis), None)
+        else:
+            kind = _fields_of(kind).get(name)
+    return list(_fields_of(kind))
+
+
+def _fields_of(kind: Any) -> dict[str, Any]:
+    """A section's keys → their types: a settings model's, or a validated dataclass's."""
+    if get_origin(kind) in (Union, UnionType):  # an optional section
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return {k: f.annotation for k, f in kind.model_fields.items()}
+    if dataclasses.is_dataclass(kind):
+        return get_type_hints(kind)
+    return {}
 
 
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal as _signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,30 +118,3 @@ def local_bootstrap(dir: str | Path | None = None) -> str | None:
     # The file outlives nodes that were killed rather than stopped.
     status = cluster_status(path)
     return status.bootstrap if status.running else None
-
-
-def kill_broker(
-    dir: str | Path, index: int, signal: _signal.Signals = _signal.SIGKILL
-) -> None:
-    """Send ``signal`` to node ``index`` (1-based); for TERM/KILL/INT, return once it is gone."""
-    _run(["kill-node", "--dir", str(dir), "--index", str(index), "--signal", signal.name[3:]], 120.0)
-
-
-def restart_broker(dir: str | Path, index: int, timeout: float = START_TIMEOUT_S) -> None:
-    """Relaunch a stopped node ``index`` with its old config and data; returns once it serves."""
-    _run(["start-node", "--dir", str(dir), "--index", str(index)], timeout)
-
-
-def run_tool(name: str, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """Run one of Kafka's own command-line tools (``broker.sh tool``: console-consumer,
-    consumer-groups, get-offsets) with ``args``, against any cluster; its exit status and
-    output are the caller's to judge. The tools' jars are fetched on first use."""
-    if not SCRIPT.is_file():
-        raise BrokerError(f"{SCRIPT} not found: Kafka's tools need a kvstream source checkout")
-    try:
-        return subprocess.run(
-            ["bash", str(SCRIPT), "tool", name, *args],
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise BrokerError(f"kafka tool {name} did not finish within {timeout:.0f}s") from exc

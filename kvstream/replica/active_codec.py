@@ -66,3 +66,10 @@ class ActiveOpCodec:
         else:
             raise DecodeError(f"active op of unknown kind {kind}")
         return r["replica_id"], op
+
+
+def load_window_start_ms(at_ms: int, request_ttl_s: float) -> int:
+    """Where the load at ``at_ms`` begins on kvstream.active: a request routed longer than
+    its TTL ago has expired, so a restarted replica and ``kvstream replay`` both take the
+    ops of the last ``request_ttl_s`` (the [router] setting), and no more."""
+    return at_ms - int(request_ttl_s * 1000)

@@ -18,11 +18,12 @@ from pydantic import ValidationError
 
 from kvstream.gateway.errors import GatewayError
 from kvstream.gateway.options import GatewayOptions
-from kvstream.logs import get_logger
+from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.replica.auth import TokenError, Tokens, read_token
 from kvstream.replica.errors import ReplicaError
-from kvstream.replica.http_limits import HttpLimits, fit_connections, guarded_protocol
-from kvstream.replica.replica import Replica, ReplicaOptions
+from kvstream.replica.http_limits import fit_connections, guarded_protocol
+from kvstream.replica.options import HttpLimits, ReplicaOptions
+from kvstream.replica.replica import Replica
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.settings import ReplicaSettings, Settings, SettingsError, explain, load_settings
 
@@ -32,18 +33,21 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def _pick(cls: type, values: dict) -> dict:
-    """The entries of ``values`` that are fields of the dataclass ``cls``."""
-    return {f.name: values[f.name] for f in fields(cls) if f.name in values}
+#: The field of SchedulerConfig that a route request may set but [router] has no key for.
+PER_REQUEST_ONLY = frozenset({"allowed_workers"})
 
 
 def router_config(settings: Settings) -> RouterConfig:
-    r = settings.router.model_dump()
+    """[router] as the router's config: every other field of SchedulerConfig is a key
+    there (a missing one fails here; tests/settings pin the two sets)."""
+    r = settings.router
     return RouterConfig(
-        block_size=r["block_size"],
-        scheduler=SchedulerConfig(**_pick(SchedulerConfig, r)),
-        request_ttl_s=r["request_ttl_s"],
-        compiled=r["compiled"],
+        block_size=r.block_size,
+        scheduler=SchedulerConfig(
+            **{f.name: getattr(r, f.name) for f in fields(SchedulerConfig) if f.name not in PER_REQUEST_ONLY}
+        ),
+        request_ttl_s=r.request_ttl_s,
+        compiled=r.compiled,
     )
 
 
@@ -60,17 +64,16 @@ def tokens(settings: Settings) -> Tokens:
 
 
 def replica_options(settings: Settings) -> ReplicaOptions:
-    r = settings.replica.model_dump()
-    # Replicas of one deployment share their tokens, so the peer accepts this one's.
     rs = settings.replica
+    # Replicas of one deployment share their tokens, so the peer accepts this one's.
     peer_token = read_token(rs.peer_token, rs.peer_token_file, "peer_token") or read_token(
         rs.token, rs.token_file, "token"
     )
-    return ReplicaOptions(**_pick(ReplicaOptions, r | {"peer_token": peer_token}))
+    return rs.to_options(ReplicaOptions, peer_token=peer_token)
 
 
 def http_limits(settings: Settings) -> HttpLimits:
-    return HttpLimits(**_pick(HttpLimits, settings.replica.model_dump()))
+    return settings.replica.to_options(HttpLimits)
 
 
 def gateway_for(replica: Replica, options: GatewayOptions) -> Gateway | None:
@@ -167,9 +170,10 @@ def router(
     are [gateway] and its workers [[gateway.workers]] (KVSTREAM_GATEWAY__*); see
     docs/OPERATIONS.md and the README."""
     try:
-        settings = load_settings(config_file, bootstrap=bootstrap)
+        settings = load_settings(config_file, bootstrap=bootstrap, **logging_flags())
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
+    configure_logging(settings.log_level, settings.log_format)
     flags = {
         "host": host, "port": port, "snapshot_dir": snapshot_dir, "peer_url": peer_url, "token": token,
         "token_file": token_file, "allow_open_bind": allow_open_bind,

@@ -27,31 +27,18 @@ from __future__ import annotations
 import asyncio
 import resource
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvstream.logs import get_logger
+from kvstream.replica.options import HttpLimits
 
 log = get_logger(__name__)
 
 #: File descriptors kept for everything but HTTP connections (Kafka clients, RocksDB).
 FD_RESERVE = 256
-
-
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    max_body_bytes: int = 16 * 1024 * 1024
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 1000
-    probe_connections: int = 16
-    max_buffered_body_bytes: int = 64 * 1024 * 1024
-    route_threads: int = 4
-    inline_route_bytes: int = 256 * 1024
-    snapshot_streams: int = 2
 
 
 Reject = Callable[[str], None]

@@ -102,7 +102,6 @@ class Ingest:
         worker_status: dict[int, dict],
         codec: AvroCodec,
         consume_batch: int,
-        fold_slice: int,
         tick_interval_s: float,
         commit_interval_s: float,
         dlq_max_bytes: int,
@@ -125,7 +124,6 @@ class Ingest:
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
         self._worker_status = worker_status
         self._consume_batch = consume_batch
-        self._fold_slice = fold_slice
         self._commit_interval_s = commit_interval_s
         self._dlq_max_bytes = dlq_max_bytes
         self._outbox = Outbox()
@@ -152,7 +150,7 @@ class Ingest:
                 if msgs:
                     msgs += consumer.consume(self._consume_batch - 1, 0)
                     try:
-                        fold_in_slices(self._lock, msgs, self._apply, self._fold_slice)
+                        fold_in_slices(self._lock, msgs, self._apply)
                     finally:
                         self._outbox.send()
                 if self._snapshotter is not None:

@@ -4,8 +4,8 @@ Each replica publishes the load ops of the requests it routes (add, prefill done
 free) and applies its peers', so that every replica's active-request view covers the
 fleet. A ``prefill_done`` or ``free`` that reaches a replica other than the one that
 routed the request (a load-balanced client) is applied on the owner's behalf and
-published with the sender marked. At start, load is rebuilt from the last
-``window_s`` of the topic. Two running instances under one ``replica_id`` would stop
+published with the sender marked. At start, load is rebuilt from the topic's last
+request TTL (kvstream.replica.active_codec.load_window_start_ms). Two running instances under one ``replica_id`` would stop
 sharing load without a word: the one that started later gives up.
 """
 
@@ -25,7 +25,7 @@ from kvstream.kafka.config import consumer_config
 from kvstream.kafka.metadata import topic_partitions
 from kvstream.kafka.producer import CountingProducer
 from kvstream.logs import get_logger
-from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.active_codec import ActiveOpCodec, load_window_start_ms
 from kvstream.replica.errors import AmbiguousRequestError
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.request_ids import scoped, unscoped
@@ -57,8 +57,6 @@ class LoadSharing:
         metrics: ReplicaMetrics,
         supervisor: Supervisor,
         stop: threading.Event,
-        *,
-        window_s: float,
     ) -> None:
         self._settings = settings
         self._topic = settings.topics.name("active")
@@ -70,7 +68,6 @@ class LoadSharing:
         self._metrics = metrics
         self._supervisor = supervisor
         self._stop = stop
-        self._window_s = window_s
         #: This process's instance of ``replica_id``: (start, random) orders two of them.
         self._instance = (int(time.time() * 1000), uuid.uuid4().hex)
         self._instance_tag = f"{self._instance[0]}:{self._instance[1]}".encode()
@@ -84,7 +81,7 @@ class LoadSharing:
             if not parts:
                 log.error("active topic missing; load is not shared", topic=self._topic)
                 return
-            since_ms = int((time.time() - self._window_s) * 1000)
+            since_ms = load_window_start_ms(int(time.time() * 1000), self._router.config.request_ttl_s)
             tps = consumer.offsets_for_times([TopicPartition(self._topic, p, since_ms) for p in parts], timeout=30)
             consumer.assign([
                 tp if tp.offset >= 0 else TopicPartition(self._topic, tp.partition, OFFSET_END) for tp in tps

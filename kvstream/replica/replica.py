@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -38,11 +37,12 @@ from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec
 from kvstream.replica.admission import admission_from_settings
 from kvstream.replica.authority import authority_from_settings
-from kvstream.replica.fold import FOLD_SLICE, LogFold
+from kvstream.replica.fold import LogFold
 from kvstream.replica.ingest import Ingest, Partitions
 from kvstream.replica.lag import LagWatch, iso
 from kvstream.replica.load import LoadSharing
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.recovery import PeerSource, recover
 from kvstream.replica.registry_reader import RegistryReader
 from kvstream.replica.request_ids import scoped
@@ -59,57 +59,6 @@ from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.settings import Settings
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaOptions:
-    """How a replica runs (the ``[replica]`` section of the settings)."""
-
-    snapshot_dir: Path | None = None
-    #: Take a snapshot after this many applied records, or this many seconds (0: never).
-    snapshot_every_records: int = 200_000
-    snapshot_every_s: float = 60.0
-    #: Ready when every partition's lag (records) is at most this. Once ready, a replica
-    #: that falls further behind (a burst: every replica at once) keeps routing, each
-    #: decision marked stale, unless ``refuse_when_stale``: a slightly stale index routes
-    #: far better than none.
-    ready_max_lag: int = 1000
-    refuse_when_stale: bool = False
-    #: Records per consume() call.
-    consume_batch: int = 2000
-    #: Records folded between looks at the clock under the router lock, which ingest
-    #: holds for about kvstream.replica.fold.FOLD_HOLD_S at a time (FOLD_SLICE).
-    fold_slice: int = FOLD_SLICE
-    #: How often to look for partitions that need a log-clock tick (kvstream.replica.ticks).
-    tick_interval_s: float = 5.0
-    #: Rebuild load from this much of kvstream.active at start (s); the request TTL.
-    active_window_s: float = 300.0
-    #: A worker is asked to resync at most this often (s).
-    resync_min_interval_s: float = 10.0
-    #: After a recovery that dropped workers (retention, recreated topic), stay unready
-    #: until each has resynced (a newer epoch on the log), or at most this long (s).
-    resync_wait_s: float = 10.0
-    #: Commit read positions to this replica's own consumer group this often (s), for
-    #: Kafka's lag tooling (kvstream.replica.positions); 0: never.
-    commit_interval_s: float = 1.0
-    #: Base URL of a peer replica to bootstrap from when there is no local snapshot.
-    peer_url: str | None = None
-    #: Bearer token of the peer's HTTP API (with its peer scope).
-    peer_token: str | None = None
-    #: Largest peer snapshot accepted (bytes); CA bundle that verifies an https peer.
-    peer_max_bytes: int = 16 * 1024**3
-    peer_ca_file: Path | None = None
-    #: A record (value, key and headers) larger than this is referenced in the DLQ, not
-    #: copied: far below the producer's message.max.bytes (1 MB by default).
-    dlq_max_bytes: int = 256 * 1024
-    #: How often the events topic's partition count is checked (s).
-    metadata_interval_s: float = 10.0
-    #: A thread restarts after this (s), doubling up to ``thread_max_backoff_s``; a
-    #: critical one that fails ``thread_max_failures`` times without progress is fatal.
-    thread_backoff_s: float = 0.5
-    thread_max_backoff_s: float = 30.0
-    thread_max_failures: int = 5
-    replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:12]}")
 
 
 class Replica:
@@ -160,8 +109,7 @@ class Replica:
                                        o.resync_min_interval_s, self.metrics, self.codec)
         self._awaited = AwaitedResyncs(o.resync_wait_s, self._note)
         self._load = LoadSharing(settings, self.replica_id, self.router, self.lock, self.active_codec,
-                                 self._producer, self.metrics, self.supervisor, self._stop,
-                                 window_s=o.active_window_s)
+                                 self._producer, self.metrics, self.supervisor, self._stop)
         self._registry_reader = RegistryReader(settings, self.replica_id, self.registry, self.metrics, self._stop,
                                                partial(self.supervisor.progress, "workers"))
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
@@ -209,7 +157,7 @@ class Replica:
             self.replica_id, self.settings, self.lock, self.fold, self._partitions, self.positions, self._producer,
             self._resync, self.metrics, self._stop, partial(self.supervisor.progress, "ingest"), self._broker_down,
             snapshotter=self.snapshotter, worker_status=self._worker_status, codec=self.codec,
-            consume_batch=o.consume_batch, fold_slice=o.fold_slice, tick_interval_s=o.tick_interval_s,
+            consume_batch=o.consume_batch, tick_interval_s=o.tick_interval_s,
             commit_interval_s=o.commit_interval_s, dlq_max_bytes=o.dlq_max_bytes,
         )
         self._watch = LagWatch(

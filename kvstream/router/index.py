@@ -22,15 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
+from kvstream._native import IndexCore
 from kvstream.events.model import LOWER_TIERS, Cleared, Removed, RouterEvent, Stored, Tier
-
-try:
-    from kvstream._native import IndexCore
-except ImportError as exc:  # the hashing kernel has a Python fallback; the index has not
-    raise ImportError(
-        "kvstream.router needs the compiled kernel kvstream._native "
-        "(build it with `maturin develop --release`)"
-    ) from exc
 
 #: Counter reasons (``TieredIndex.counters``): events or blocks rejected or skipped.
 PARENT_NOT_FOUND = "stored_parent_not_found"  # stored events rejected whole

@@ -13,7 +13,7 @@ import click
 from kvstream.gateway.errors import RegistrationError
 from kvstream.gateway.registry import Registration, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
-from kvstream.logs import get_logger
+from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode
@@ -24,6 +24,7 @@ from kvstream.worker.errors import (
     PublisherError,
     RegistryTopicError,
 )
+from kvstream.worker.fence import TakeOverWatch, describe
 from kvstream.worker.incarnation import Incarnation, live_incarnation
 from kvstream.worker.metrics import WorkerCollector, serve_metrics
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions, QueueFull
@@ -178,15 +179,18 @@ def worker(
         "linger_ms": linger_ms,
         "queue_full": queue_full,
         "metrics_port": metrics_port,
-        "state_dir": str(state_dir) if state_dir is not None else None,
+        "state_dir": state_dir,
         "checkpoint_s": checkpoint_s,
         "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
-        settings = load_settings(config, bootstrap=bootstrap, worker={k: v for k, v in flags.items() if v is not None})
+        settings = load_settings(
+            config, bootstrap=bootstrap, worker={k: v for k, v in flags.items() if v is not None}, **logging_flags()
+        )
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
+    configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
     try:
         options = PublisherOptions(
@@ -194,7 +198,7 @@ def worker(
             lease_ms=ws.lease_ms,
             heartbeat_s=ws.heartbeat_s,
             linger_ms=ws.linger_ms,
-            queue_full=QueueFull(ws.queue_full),
+            queue_full=ws.queue_full,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -220,7 +224,7 @@ def worker(
     signal.signal(signal.SIGINT, lambda *_: (interrupted.set(), stop.set()))
     if bridge_options is None:
         _run_synthetic(
-            settings, options, Mode(ws.mode), stop, metrics_addr,
+            settings, options, ws.mode, stop, metrics_addr,
             SyntheticRun(prompts, rate, seed, device_blocks, host_blocks, disk_blocks, disk_dir, disk_min_seen),
             serves,
         )
@@ -242,7 +246,7 @@ def _run_engine(
 ) -> None:
     ws = settings.worker
     node_options = EngineNodeOptions(
-        options, bridge_options, Mode(ws.mode), Path(ws.state_dir) if ws.state_dir else None, ws.checkpoint_s
+        options, bridge_options, ws.mode, ws.state_dir, ws.checkpoint_s
     )
     try:
         node = EngineNode(settings, node_options)
@@ -250,30 +254,31 @@ def _run_engine(
         raise click.ClickException(f"cannot start the worker: {exc}") from None
     left = 0
     clean = False
-    announcer: WorkerAnnouncer | None = None
+    registered: Registered | None = None
     try:
         node.start()
-        announcer = _announce(
+        registered = _announce(
             settings, serves, node.publisher, bridge_options.block_size,
-            tuple(e.default_dp_rank for e in bridge_options.endpoints), engine, None,
+            tuple(e.default_dp_rank for e in bridge_options.endpoints), engine, None, stop,
         )
         if ws.metrics_port:
             serve_metrics(ws.metrics_port, WorkerCollector(node.publisher, node.consolidator, node.bridge), metrics_addr)
         log.info(
             "worker_started", worker_id=options.worker_id, epoch=node.publisher.epoch,
-            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode,
+            endpoints=[e.endpoint for e in bridge_options.endpoints], engine=engine, mode=ws.mode.value,
         )
         node.run(stop)
-        clean = True
+        clean = registered.successor is None
     except (PublisherError, EngineBridgeError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        _withdraw(announcer)
+        _withdraw(registered)
         left = node.close(withdraw=clean)
         log.info(
             "worker_stopped", worker_id=options.worker_id, batches=node.publisher.stats.batches, undelivered=left,
             withdrawn=clean and ws.state_dir is None,
         )
+    _taken_over(options.worker_id, registered)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")
 
@@ -307,34 +312,64 @@ class Serves:
     loras: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """The worker's registration and the watch that stops it when another process
+    takes its id over (kvstream.worker.fence)."""
+
+    announcer: WorkerAnnouncer
+    watch: TakeOverWatch
+
+    @property
+    def successor(self) -> Registration | None:
+        return self.watch.successor
+
+
 def _announce(
     settings: Settings, serves: Serves, publisher: KafkaPublisher, block_size: int,
-    dp_ranks: tuple[int, ...], engine: str, kv_capacity_blocks: int | None,
-) -> WorkerAnnouncer:
-    """Register the worker under its publisher's first epoch (its incarnation)."""
+    dp_ranks: tuple[int, ...], engine: str, kv_capacity_blocks: int | None, stop: threading.Event,
+) -> Registered:
+    """Register the worker under its publisher's first epoch (its incarnation), and
+    watch for a successor: ``stop`` is set when one registers."""
     reg = Registration(
         publisher.worker_id, serves.engine_url, serves.models, serves.loras, block_size, dp_ranks, engine,
         kv_capacity_blocks, publisher.epoch, int(time.time() * 1000),
     )
+    watch = TakeOverWatch(settings, reg.worker_id, lambda _successor: stop.set())
     announcer = WorkerAnnouncer(settings, reg)
     try:
         announcer.announce()
     except BaseException:
         announcer.close()
+        watch.close()
         raise
-    return announcer
+    watch.start(reg)
+    return Registered(announcer, watch)
 
 
-def _withdraw(announcer: WorkerAnnouncer | None) -> None:
-    """The tombstone, on the way out; a failure is logged, never masks why we stop."""
-    if announcer is None:
+def _withdraw(registered: Registered | None) -> None:
+    """The tombstone, on the way out, unless a successor registered; a failure is logged,
+    never masks why we stop."""
+    if registered is None:
         return
+    registered.watch.close()
+    announcer = registered.announcer
     try:
-        announcer.withdraw()
+        if registered.successor is None:
+            announcer.withdraw()
     except PublisherError as exc:
         log.error("worker_unregister_failed", worker_id=announcer.registration.worker_id, error=str(exc))
     finally:
         announcer.close()
+
+
+def _taken_over(worker_id: int, registered: Registered | None) -> None:
+    """Fail the command when a successor stopped this worker."""
+    if registered is not None and (successor := registered.successor) is not None:
+        raise click.ClickException(
+            f"worker {worker_id} was taken over by another process ({describe(successor)}); this one stopped "
+            "without withdrawing its blocks or its registration"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,8 +408,9 @@ def _run_synthetic(
     except (PublisherError, KafkaConfigError, ValueError) as exc:
         raise click.ClickException(f"cannot start the synthetic worker: {exc}") from None
     try:
-        announcer = _announce(
-            settings, serves, node.publisher, node_options.layout.block_size, (0,), "synthetic", run.device_blocks
+        registered = _announce(
+            settings, serves, node.publisher, node_options.layout.block_size, (0,), "synthetic", run.device_blocks,
+            stop,
         )
     except PublisherError as exc:
         node.close()
@@ -398,12 +434,13 @@ def _run_synthetic(
             while not stop.is_set() and (wait := next_at - time.monotonic()) > 0:
                 node.poll()
                 stop.wait(min(wait, options.linger_ms / 1000))
-        clean = True
+        clean = registered.successor is None
     except PublisherError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        _withdraw(announcer)
+        _withdraw(registered)
         left = node.close(withdraw=clean)
         log.info("worker_stopped", worker_id=options.worker_id, prompts=done, undelivered=left, withdrawn=clean)
+    _taken_over(options.worker_id, registered)
     if left:
         raise click.ClickException(f"{left} batches were not acknowledged by Kafka before shutdown")

@@ -29,6 +29,7 @@ import msgpack
 from kvstream.events.model import Tier
 from kvstream.hashing import sequence_hashes
 from kvstream.logs import get_logger
+from kvstream.worker.options import Mode
 from kvstream.worker.source_events import (
     SourceCleared,
     SourceEvent,
@@ -37,11 +38,6 @@ from kvstream.worker.source_events import (
 )
 
 log = get_logger(__name__)
-
-
-class Mode(str, Enum):
-    DEDUP = "dedup"
-    PASSTHROUGH = "passthrough"
 
 
 class Anomaly(str, Enum):

@@ -18,8 +18,10 @@ from kvstream.settings import Settings
 from kvstream.worker.bridge_state import BridgeCheckpoint, BridgeStateStore
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.errors import PublisherError
+from kvstream.worker.options import DEFAULTS
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
-from kvstream.worker.zmq_bridge import BridgeOptions, Issue, ZmqEngineBridge
+from kvstream.worker.engine_events import Issue
+from kvstream.worker.zmq_bridge import BridgeOptions, ZmqEngineBridge
 
 log = get_logger(__name__)
 
@@ -42,12 +44,12 @@ STATUS_EVERY_S = 30.0
 class EngineNodeOptions:
     publisher: PublisherOptions
     bridge: BridgeOptions
-    mode: Mode = Mode.DEDUP
+    mode: Mode = DEFAULTS.mode
     #: Where the bridge keeps its state across restarts; None: it starts empty each time.
-    state_dir: Path | None = None
+    state_dir: Path | None = DEFAULTS.state_dir
     #: Checkpoint the state this often (s) when it changed, after a flush that Kafka
     #: acknowledged. Each costs O(blocks held): measured 0.3 s per 100k blocks.
-    checkpoint_s: float = 10.0
+    checkpoint_s: float = DEFAULTS.checkpoint_s
 
 
 class EngineNode:

@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector
 
 from kvstream.worker.consolidator import Anomaly, Consolidator
 from kvstream.worker.publisher import KafkaPublisher
-from kvstream.worker.zmq_bridge import Issue, ZmqEngineBridge
+from kvstream.worker.engine_events import Issue
+from kvstream.worker.zmq_bridge import ZmqEngineBridge
 
 
 class WorkerCollector(Collector):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvstream.settings import Settings
 from kvstream.worker.consolidator import Consolidator, Mode
+from kvstream.worker.options import DEFAULTS
 from kvstream.worker.layout import BlockLayout
 from kvstream.worker.offload import OffloadOptions
 from kvstream.worker.pool import PoolOptions
@@ -26,7 +27,7 @@ from kvstream.worker.synthetic import PromptResult, SyntheticWorker, SyntheticWo
 @dataclass(frozen=True, slots=True)
 class SyntheticNodeOptions:
     publisher: PublisherOptions
-    mode: Mode = Mode.DEDUP
+    mode: Mode = DEFAULTS.mode
     #: A small KV layout: the synthetic engine writes real bytes, so keep blocks small.
     layout: BlockLayout = field(default_factory=lambda: BlockLayout(num_layers=2, block_size=16, kv_heads=2, head_dim=16))
     device_blocks: int = 512

@@ -3,11 +3,11 @@
 - One publisher incarnation = one epoch: a u64 taken from the wall clock in ns, and
   strictly greater than the previous one of this process (a resync starts a new one).
   Every epoch starts with ``cleared``.
-- Event ids are strictly increasing per (worker, dp_rank) within an epoch, from 1.
-- A ``stored`` that continues the previous ``stored`` (same rank and tier, its parent is
-  that event's last block) is merged into it, and so are consecutive ``removed``;
-  events then wait up to ``linger_ms`` (or until a batch is full) to share one Kafka
-  message, i.e. one :class:`~kvstream.events.model.EventBatch`.
+- Events are stamped, merged and cut into batches by
+  :class:`~kvstream.worker.batcher.EventBatcher` (ids strictly increasing per
+  (worker, dp_rank) within an epoch, from 1); they wait up to ``linger_ms`` (or until a
+  batch is full) to share one Kafka message, i.e. one
+  :class:`~kvstream.events.model.EventBatch`.
 - Key: the worker id as 8 bytes big-endian, so that all of a worker's records land on
   one partition, in order.
 - The producer is idempotent with ``acks=all`` and compression
@@ -33,7 +33,6 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -43,13 +42,15 @@ from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.control import RESYNC_REQUEST as RESYNC_RECORD
 from kvstream.events.control import ResyncRequest
 from kvstream.events.errors import EventError
-from kvstream.events.model import STATUS_HEADER, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import STATUS_HEADER, EventBatch, Tier
 from kvstream.events.wire import worker_key
 from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
+from kvstream.worker.batcher import EventBatcher
 from kvstream.worker.consolidator import StateSource
+from kvstream.worker.options import DEFAULTS, QueueFull
 from kvstream.worker.errors import (
     ControlTopicError,
     PublisherClosedError,
@@ -61,26 +62,19 @@ log = get_logger(__name__)
 _U64 = (1 << 64) - 1
 
 
-class QueueFull(str, Enum):
-    """What a full producer queue does to the caller."""
-
-    BLOCK = "block"  # wait for room (up to block_timeout_s), then fail
-    FAIL = "fail"  # fail at once
-
-
 @dataclass(frozen=True, slots=True)
 class PublisherOptions:
     worker_id: int
     #: Routers keep the worker this long (log time) after its last batch.
-    lease_ms: int = 10_000
+    lease_ms: int = DEFAULTS.lease_ms
     #: An empty batch goes out when nothing else did for this long.
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = DEFAULTS.heartbeat_s
     #: Events wait at most this long to share a Kafka message.
-    linger_ms: float = 5.0
+    linger_ms: float = DEFAULTS.linger_ms
     max_batch_events: int = 512
     #: Blocks per message; 16 bytes each on the wire, so 4096 is ~64 KiB.
     max_batch_blocks: int = 4096
-    queue_full: QueueFull = QueueFull.BLOCK
+    queue_full: QueueFull = DEFAULTS.queue_full
     block_timeout_s: float = 30.0
     #: Messages the producer may hold unacknowledged (librdkafka's local queue).
     queue_max_messages: int = 100_000
@@ -122,18 +116,6 @@ class PublisherStats:
     control_errors: int = 0  # undecodable control records
 
 
-def send_resync_request(settings: Settings, request: ResyncRequest, timeout_s: float = 30.0) -> None:
-    """Publish ``request`` on the control topic and wait until Kafka has it."""
-    producer = Producer(producer_config(settings, **{"client.id": "kvstream-resync", "linger.ms": 0}))
-    errors: list[KafkaError] = []
-    producer.produce(
-        settings.topics.name("control"),
-        value=AvroCodec().encode(RESYNC_RECORD, request.to_record()),
-        on_delivery=lambda err, _msg: errors.append(err) if err else None,
-    )
-    left = producer.flush(timeout_s)
-    if left or errors:
-        raise ControlTopicError(f"resync request not delivered: {errors[0] if errors else 'timed out'}")
 
 
 class ControlListener:
@@ -204,20 +186,6 @@ class ResumePoint:
     next_ids: Mapping[int, int]
 
 
-class _Pending:
-    """An event being built: merged with its successors until the batch is cut."""
-
-    __slots__ = ("kind", "rank", "tier", "parent", "hashes", "tokens")
-
-    def __init__(self, kind: type[RouterEvent], rank: int, tier: Tier, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
-        self.kind = kind
-        self.rank = rank
-        self.tier = tier
-        self.parent = parent
-        self.hashes = hashes
-        self.tokens = tokens
-
-
 class KafkaPublisher:
     """A :class:`~kvstream.worker.consolidator.RouterEventWriter` that publishes on
     Kafka. Construction starts the first epoch (its ``cleared`` goes out with the first
@@ -250,11 +218,9 @@ class KafkaPublisher:
             ControlListener(settings, options.worker_id, self._codec.codec) if options.listen_control else None
         )
         self.stats = PublisherStats()
-        self.epoch = 0
-        self._next_id: dict[int, int] = {}
-        self._pending: list[_Pending] = []
-        self._pending_blocks = 0
-        self._pending_since = 0.0
+        self._batcher = EventBatcher(
+            options.worker_id, options.lease_ms, options.max_batch_events, options.max_batch_blocks, self._send
+        )
         self._last_sent = time.monotonic()
         self._resync_reason: str | None = None
         self._last_resync = float("-inf")
@@ -271,13 +237,16 @@ class KafkaPublisher:
         else:
             # The same incarnation goes on (a bridge restarted after a clean stop): no
             # ``cleared``, event ids continue where the last acknowledged batch left them.
-            self.epoch = resume.epoch
-            self._next_id = dict(resume.next_ids)
+            self._batcher.resume(resume.epoch, resume.next_ids)
+
+    @property
+    def epoch(self) -> int:
+        return self._batcher.epoch
 
     def position(self) -> ResumePoint:
         """Where this incarnation stands, for a later :class:`ResumePoint` (exact only
         after :meth:`flush` returned 0)."""
-        return ResumePoint(self.epoch, dict(self._next_id))
+        return ResumePoint(self.epoch, dict(self._batcher.next_ids))
 
     # ------------------------------------------------------------------ writer
 
@@ -290,71 +259,24 @@ class KafkaPublisher:
         tokens_hashes: list[int],
     ) -> None:
         self._check_open()
-        cap = self.options.max_batch_blocks
-        for start in range(0, len(block_hashes), cap):
-            # Pieces fit a batch; each continues the previous one, so they merge back
-            # wherever there is room.
-            piece_h = block_hashes[start : start + cap]
-            last = self._pending[-1] if self._pending else None
-            if (
-                last is not None
-                and last.kind is Stored
-                and parent_hash is not None
-                and last.rank == dp_rank
-                and last.tier is tier
-                and last.hashes[-1] == parent_hash
-                and len(last.hashes) + len(piece_h) <= cap
-            ):
-                last.hashes.extend(piece_h)
-                last.tokens.extend(tokens_hashes[start : start + cap])
-            else:
-                self._add(_Pending(Stored, dp_rank, tier, parent_hash, piece_h, tokens_hashes[start : start + cap]))
-            self._pending_blocks += len(piece_h)
-            parent_hash = piece_h[-1]
-            self._maybe_cut()
+        self._batcher.stored(dp_rank, tier, parent_hash, block_hashes, tokens_hashes)
 
     def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None:
         self._check_open()
-        cap = self.options.max_batch_blocks
-        for start in range(0, len(block_hashes), cap):
-            piece = block_hashes[start : start + cap]
-            last = self._pending[-1] if self._pending else None
-            if (
-                last is not None
-                and last.kind is Removed
-                and last.rank == dp_rank
-                and last.tier is tier
-                and len(last.hashes) + len(piece) <= cap
-            ):
-                last.hashes.extend(piece)
-            else:
-                self._add(_Pending(Removed, dp_rank, tier, None, piece, []))
-            self._pending_blocks += len(piece)
-            self._maybe_cut()
+        self._batcher.removed(dp_rank, tier, block_hashes)
 
     def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None:
         self._check_open()
-        self._add(_Pending(Cleared, dp_rank, tier, None, [], []))
-        self._maybe_cut()
+        self._batcher.cleared(dp_rank, tier)
 
     def withdraw(self) -> None:
         """Publish ``cleared`` on every tier of every rank this epoch has published, so
         that the routers drop this worker's blocks at once instead of after its lease (a
         clean stop). Sent with the next cut; :meth:`close` flushes it."""
         self._check_open()
-        ranks = sorted({*self._next_id, *(p.rank for p in self._pending)})
-        for rank in ranks:
+        for rank in self._batcher.ranks():
             for tier in Tier:
                 self.cleared(rank, tier)
-
-    def _add(self, pending: _Pending) -> None:
-        if not self._pending:
-            self._pending_since = time.monotonic()
-        self._pending.append(pending)
-
-    def _maybe_cut(self) -> None:
-        if len(self._pending) >= self.options.max_batch_events or self._pending_blocks >= self.options.max_batch_blocks:
-            self._cut()
 
     def _check_open(self) -> None:
         if self._stopped is not None:
@@ -366,29 +288,12 @@ class KafkaPublisher:
         # Wall-clock ns: greater than any earlier incarnation's (clocks permitting), and
         # strictly greater than this process's previous epoch whatever the clock does,
         # and than ``above`` (the epoch a resync request says the log holds).
-        self.epoch = max(time.time_ns(), self.epoch + 1, above + 1) & _U64
-        self._next_id = {}
-        self.cleared(0)
+        self._check_open()
+        self._batcher.start_epoch(max(time.time_ns(), self.epoch + 1, above + 1) & _U64)
 
     def _cut(self) -> None:
         """Turn the pending events into one batch and hand it to the producer."""
-        if not self._pending:
-            return
-        wid, epoch, next_id = self.worker_id, self.epoch, self._next_id
-        events: list[RouterEvent] = []
-        for p in self._pending:
-            eid = next_id.get(p.rank, 1)
-            next_id[p.rank] = eid + 1
-            if p.kind is Stored:
-                events.append(Stored(wid, p.rank, p.tier, epoch, eid, p.parent, tuple(p.hashes), tuple(p.tokens)))
-            elif p.kind is Removed:
-                events.append(Removed(wid, p.rank, p.tier, epoch, eid, tuple(p.hashes)))
-            else:
-                events.append(Cleared(wid, p.rank, p.tier, epoch, eid))
-        blocks = self._pending_blocks
-        self._pending = []
-        self._pending_blocks = 0
-        self._send(EventBatch(wid, epoch, self.options.lease_ms, tuple(events)), blocks)
+        self._batcher.cut()
 
     def _send(self, batch: EventBatch, blocks: int) -> None:
         value = self._codec.encode(batch)
@@ -460,13 +365,14 @@ class KafkaPublisher:
         after delivery failures) with ``state``."""
         self._check_open()
         now = time.monotonic()
-        if self._pending and now - self._pending_since >= self.options.linger_ms / 1000:
+        batcher = self._batcher
+        if batcher.pending and now - batcher.pending_since >= self.options.linger_ms / 1000:
             self._cut()
         elif now - self._last_sent >= self.options.heartbeat_s:
-            if self._pending:
+            if batcher.pending:
                 self._cut()
             else:
-                self._send(EventBatch(self.worker_id, self.epoch, self.options.lease_ms, ()), 0)
+                self._send(batcher.heartbeat(), 0)
         self._producer.poll(0)
         if self._control is not None:
             for req in self._control.poll():

@@ -18,9 +18,10 @@ from kvstream.events.model import Tier
 from kvstream.hashing import block_hashes
 from kvstream.worker.errors import LayoutError, PoolConfigError, PoolExhaustedError
 from kvstream.worker.layout import BlockLayout
+from kvstream.worker.lifecycle import PoolRequest
 from kvstream.worker.offload import OffloadEngine, OffloadOptions
 from kvstream.worker.onboard import Onboarder
-from kvstream.worker.pool import NewBlock, PoolOptions, TieredBlockPool
+from kvstream.worker.pool import PoolOptions, TieredBlockPool
 from kvstream.worker.source_events import SourceEventSink
 
 _SEED_MASK = (1 << 63) - 1
@@ -117,31 +118,26 @@ class SyntheticEngine:
         pool = self.pool
         layout = pool.layout
         local, seq = block_hashes(list(tokens), layout.block_size, self.lora_name)
-        found = self.onboarder.onboard(seq, self.priority)
+        req = PoolRequest(self.onboarder, local, seq, self.priority)
+        found = req.found
         try:
             if self.verify:
                 self._check(found.block_hashes[found.device_blocks :])
-            k = len(found.block_hashes)
-            rest = range(k, len(seq))
-            slots = self._allocate(len(rest))
+            slots = req.allocate(self._allocate)
             try:
-                for slot, i in zip(slots, rest):
+                for slot, i in req.computed():
                     # Generated on the CPU so that the content of a hash is the same on any device.
                     pool.write_block(slot, block_content(layout, seq[i]))
             except BaseException:
                 pool.device.free(slots)
                 raise
-            pool.device.register(
-                [NewBlock(slot, seq[i], seq[i - 1] if i else None, local[i]) for slot, i in zip(slots, rest)],
-                priority=self.priority,
-                pin=True,
-            )
+            req.prefilled()
         except BaseException:
-            pool.device.unpin(found.block_hashes)
+            req.abort()
             raise
         # The request ran; it ends now and releases its blocks (they stay cached).
-        pool.device.unpin(seq)
-        result = PromptResult(len(seq), found.device_blocks, found.host_blocks, found.disk_blocks, len(rest))
+        req.release()
+        result = PromptResult(len(seq), found.device_blocks, found.host_blocks, found.disk_blocks, len(slots))
         self.stats.add(result)
         return result
 

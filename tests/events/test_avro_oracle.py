@@ -21,7 +21,7 @@ import avro.schema
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvstream.events.codec import EVENT_BATCH, HEADER_LEN, MARKER, AvroCodec, EventCodec
+from kvstream.events.codec import EVENT_BATCH, HEADER_LEN, MARKER, EventCodec
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import EventBatch
 

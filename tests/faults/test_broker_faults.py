@@ -17,12 +17,13 @@ from confluent_kafka.admin import AdminClient
 
 from kvstream.events.codec import AvroCodec
 from kvstream.kafka.config import admin_config, producer_config
-from kvstream.kafka.local_broker import LocalCluster, cluster_status, kill_broker, restart_broker
+from kvstream.kafka.local_broker import LocalCluster, cluster_status
 from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica
 from kvstream.settings import Settings, TopicSettings
 
 from tests.faults.helpers import agrees_with_log, read_log
+from tests.kafka.nodes import kill_broker, restart_broker
 from tests.replica.test_replica_kafka import start, wait_caught_up
 from tests.replica.test_snapshot import random_log
 

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvstream.kafka.local_broker import LocalCluster, kill_broker, restart_broker, start_local_cluster, stop_local_cluster
+from kvstream.kafka.local_broker import LocalCluster, start_local_cluster, stop_local_cluster
 from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
 from kvstream.settings import Settings, TopicSettings
 
+from tests.kafka.nodes import kill_broker, restart_broker
 from tests.replica.helpers import FakeWorkerLog
 from tests.replica.test_replica_kafka import produce, wait_caught_up
 

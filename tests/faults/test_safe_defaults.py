@@ -724,4 +724,4 @@ def test_phantoms_never_win_a_route(kafka_topics: Settings, tmp_path: Path) -> N
         r2.stop()
         pub.close()
     assert won_after == {77}
-    print(f"FAULTS phantoms=21000 registered=1 uncached_routes=80 to_phantoms=0 before_registration=503x40")
+    print("FAULTS phantoms=21000 registered=1 uncached_routes=80 to_phantoms=0 before_registration=503x40")

@@ -115,7 +115,7 @@ def test_engine_identity_fields_fold_as_dynamo(tokens, salt, images) -> None:  #
     SGLang's cache_salt give the local hashes Dynamo computes from the same facts."""
     import hashlib
 
-    from kvstream.worker.zmq_bridge import EventConverter, Flavour
+    from kvstream.worker.engine_events import EventConverter, Flavour
 
     bs = 16
     n = len(tokens) // bs

@@ -1,4 +1,4 @@
-"""Block hashing (DESIGN.md §1): the reference vectors, and kernel == pure Python."""
+"""Block hashing (DESIGN.md §1): the reference vectors, and the kernel == the spec in Python."""
 
 from __future__ import annotations
 
@@ -24,10 +24,17 @@ def reference(tokens: list[int], block_size: int, seed: int) -> tuple[list[int],
     for start in range(0, len(tokens) // block_size * block_size, block_size):
         raw = struct.pack(f"<{block_size}I", *tokens[start : start + block_size])
         local.append(xxhash.xxh3_64_intdigest(raw, seed))
+    return local, reference_chain(local)
+
+
+def reference_chain(local: list[int], parent: int | None = None) -> list[int]:
+    """Sequence hashes from the spec: XXH3 of (parent, local) as little-endian u64, seed 1337."""
     seq: list[int] = []
-    for i, h in enumerate(local):
-        seq.append(h if i == 0 else xxhash.xxh3_64_intdigest(struct.pack("<QQ", seq[-1], h), 1337))
-    return local, seq
+    prev = parent
+    for h in local:
+        prev = h if prev is None else xxhash.xxh3_64_intdigest(struct.pack("<QQ", prev, h), 1337)
+        seq.append(prev)
+    return seq
 
 
 def test_xxh3_vector() -> None:
@@ -47,7 +54,7 @@ def test_lora_vectors() -> None:
     # An empty name is no LoRA; the chain keeps seed 1337 under a LoRA.
     assert hashing.lora_seed("") == hashing.lora_seed(None) == 1337
     local, seq = hashing.block_hashes(list(range(32)), lora_name="my-lora")
-    assert seq[1] == hashing.chain_hash(local[0], local[1])
+    assert seq == reference_chain(local)
 
 
 def test_partial_block_dropped_and_empty() -> None:
@@ -63,18 +70,17 @@ tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=200)
 
 @settings(max_examples=300, deadline=None)
 @given(tokens=tokens_st, block_size=st.integers(1, 40), lora=st.one_of(st.none(), st.text(max_size=8)))
-def test_matches_reference_and_fallback(tokens: list[int], block_size: int, lora: str | None) -> None:
+def test_matches_reference(tokens: list[int], block_size: int, lora: str | None) -> None:
     seed = hashing.lora_seed(lora)
     expected = reference(tokens, block_size, seed)
     assert hashing.block_hashes(tokens, block_size, lora) == expected
-    assert hashing.py_block_hashes(tokens, block_size, seed, True) == expected
     assert hashing.local_hashes(tokens, block_size, lora) == expected[0]
 
 
 @settings(max_examples=100, deadline=None)
 @given(local=st.lists(st.integers(0, 2**64 - 1), max_size=50), parent=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
 def test_sequence_hashes_continue_from_parent(local: list[int], parent: int | None) -> None:
-    assert hashing.sequence_hashes(local, parent) == hashing.py_sequence_hashes(local, parent)
+    assert hashing.sequence_hashes(local, parent) == reference_chain(local, parent)
     if parent is None and local:
         # Continuing a chain from its k-th hash gives the rest of it.
         full = hashing.sequence_hashes(local)
@@ -94,18 +100,11 @@ def test_buffer_inputs_equal_list_input() -> None:
 def test_bad_tokens_raise_value_error(bad: object) -> None:
     with pytest.raises(ValueError, match="token ids"):
         hashing.block_hashes(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="token ids"):
-        hashing.py_block_hashes(bad, 16, 1337, True)  # type: ignore[arg-type]
 
 
 def test_bad_block_size() -> None:
     with pytest.raises(ValueError, match="block_size"):
         hashing.block_hashes([1, 2, 3], 0)
-
-
-def test_kernel_is_built() -> None:
-    # The install builds the Rust kernel; the fallback exists for source trees without it.
-    assert hashing.HAVE_KERNEL
 
 
 def test_hash_command(tmp_path) -> None:

@@ -16,15 +16,11 @@ from confluent_kafka.admin import AdminClient
 from kvstream.cli import cli
 from kvstream.kafka.config import producer_config, resolve_bootstrap
 from kvstream.kafka.errors import BrokerError, KafkaConfigError
-from kvstream.kafka.local_broker import (
-    cluster_status,
-    kill_broker,
-    restart_broker,
-    start_local_cluster,
-    stop_local_cluster,
-)
+from kvstream.kafka.local_broker import cluster_status, start_local_cluster, stop_local_cluster
 from kvstream.kafka.topics import ROLES, ensure_topics
 from kvstream.settings import Settings, TopicSettings
+
+from tests.kafka.nodes import kill_broker, restart_broker
 
 
 def _alive(pid: int) -> bool:

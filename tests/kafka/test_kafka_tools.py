@@ -14,7 +14,6 @@ from confluent_kafka import Consumer, TopicPartition
 from kvstream.events.model import Tier
 from kvstream.hashing import local_hashes
 from kvstream.kafka.config import consumer_config
-from kvstream.kafka.local_broker import run_tool
 from kvstream.replica.positions import replica_group_id
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.settings import Settings
@@ -22,6 +21,7 @@ from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 from kvstream.worker.source_events import SourceStored
 
+from tests.kafka.nodes import run_tool
 from tests.replica.test_replica_kafka import high_watermarks, log_records, produce, start, wait_caught_up
 
 pytestmark = pytest.mark.kafka

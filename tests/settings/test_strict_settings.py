@@ -62,3 +62,20 @@ def test_config_show_says_where_each_setting_came_from(tmp_path, monkeypatch) ->
     bad.write_text("[fold]\ncheck_kye = false\n")
     out = CliRunner().invoke(config, ["show", "--config", str(bad)])
     assert out.exit_code == 1 and "did you mean `fold.check_key`?" in out.output
+
+
+@pytest.mark.parametrize(
+    "text, hint",
+    [
+        ("[gateway]\nretires = 1\n", "unknown setting `gateway.retires` (did you mean `gateway.retries`?)"),
+        ('[[gateway.workers]]\nid = 1\nurl = "http://h:1"\nmodelz = ["m"]\n',
+         "unknown setting `gateway.workers.0.modelz` (did you mean `gateway.workers.0.models`?)"),
+        ("[worker]\nlease_sm = 1\n", "unknown setting `worker.lease_sm` (did you mean `worker.lease_ms`?)"),
+    ],
+)
+def test_a_typo_in_a_dataclass_section_names_the_nearest_key_too(tmp_path, text: str, hint: str) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text(text)
+    with pytest.raises(SettingsError) as info:
+        load_settings(path)
+    assert hint in str(info.value)

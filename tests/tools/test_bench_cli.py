@@ -1,5 +1,6 @@
 """Every ``kvstream bench`` command not covered elsewhere runs at a tiny size and prints
-one JSON object with its documented keys and a baseline from the same run."""
+one JSON object with its documented keys and a baseline from the same run, and stands
+where it should against that baseline (with room for a noisy machine)."""
 
 from __future__ import annotations
 
@@ -20,24 +21,35 @@ def run(args: list[str]) -> dict:
 def test_hashing_bench() -> None:
     r = run(["hashing", "--json", "--tokens", "2048"])
     assert r["kernel"] == "native"
-    assert r["us_per_prompt"] > 0 and r["baseline_us_per_prompt"] > 0
     assert r["speedup"] == pytest.approx(r["baseline_us_per_prompt"] / r["us_per_prompt"], rel=0.02)
+    # The kernel against the per-block xxhash loop, same run: 6-8x (docs/BENCHMARKS.md).
+    assert r["speedup"] > 2, r
+    assert r["local_only_us_per_prompt"] < r["local_only_baseline_us_per_prompt"], r
 
 
 def test_index_and_route_benches() -> None:
     r = run(["index", "--json", "--blocks", "20000", "--workers", "8", "--queries", "100", "--prompt-blocks", "160"])
-    for key in ("apply_blocks_per_s", "match_p50_us", "match_p99_us"):
-        assert r[key] > 0, key
+    # Against the dict-of-sets index on the same events and prompts: matching ~9x faster
+    # at this size, applying ~1.6-2x (each bound leaves room for noise).
+    assert r["match_p50_speedup"] == pytest.approx(r["baseline_match_p50_us"] / r["match_p50_us"], rel=0.02)
+    assert r["match_p50_speedup"] > 2, r
+    assert r["apply_speedup"] == pytest.approx(r["apply_blocks_per_s"] / r["baseline_apply_blocks_per_s"], rel=0.02)
+    assert r["apply_speedup"] > 0.5, r
+    assert r["match_p99_us"] >= r["match_p50_us"]
     # The tables' own bytes are exact; the RSS delta at this tiny size is allocator noise
     # (it came out negative once: the allocator handed memory back meanwhile).
     assert r["table_bytes_per_block"] > 0
     assert isinstance(r["bytes_per_block"], float)
     r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "50", "--prompt-blocks", "160"])
-    for key in ("route_p50_us", "route_p99_us", "decisions_per_s"):
-        assert r[key] > 0, key
     assert r["route_p99_us"] >= r["route_p50_us"]
-    for key in ("route_buffer_p50_us", "reference_route_p50_us", "decisions_speedup_vs_reference"):
-        assert r[key] > 0, key
+    # The compiled decision against the Python reference model on the same index and
+    # prompts (~2-3x at this size), and against hashing by the per-block loop.
+    assert r["route_p50_speedup_vs_reference"] == pytest.approx(
+        r["reference_route_p50_us"] / r["route_p50_us"], rel=0.02)
+    assert r["route_p50_speedup_vs_reference"] > 1, r
+    assert r["decisions_speedup_vs_reference"] > 1, r
+    assert r["route_buffer_p50_us"] < r["reference_route_p50_us"], r
+    assert r["route_speedup"] > 1, r
     # Decisions beside a paced ingest of real records (kvstream/tools/bench/ingest_load.py).
     assert r["ingest_records_rejected"] == 0
     assert r["ingest_block_events_per_s"] > 0
@@ -67,15 +79,23 @@ def test_churn_records_fold_to_one_fresh_chain_per_worker() -> None:
 def test_dynamo_side_by_side() -> None:
     pytest.importorskip("dynamo._core")
     r = run(["index", "--json", "--dynamo", "--blocks", "20000", "--workers", "8", "--queries", "60", "--prompt-blocks", "160"])
-    for key in ("dynamo_apply_blocks_per_s", "dynamo_cold_match_p50_us", "cold_match_p50_ratio_vs_dynamo", "apply_ratio_vs_dynamo"):
-        assert r[key] > 0, key
+    # Answers are checked equal first (the bench fails otherwise); the ratios are of the
+    # two figures, and cold matching is at parity or better (0.3-1x measured).
+    assert r["apply_ratio_vs_dynamo"] == pytest.approx(
+        r["kvstream_device_apply_blocks_per_s"] / r["dynamo_apply_blocks_per_s"], rel=0.03)
+    assert r["cold_match_p50_ratio_vs_dynamo"] == pytest.approx(
+        r["kvstream_cold_match_p50_us"] / r["dynamo_cold_match_p50_us"], rel=0.03)
+    assert r["cold_match_p50_ratio_vs_dynamo"] < 2, r
 
 
 @pytest.mark.slow
 def test_publish_bench(kafka_bootstrap: str) -> None:
     r = run(["publish", "--json", "--bootstrap", kafka_bootstrap, "--messages", "300"])
     assert r["block_events"] >= 300 * 16
-    assert r["blocks_per_s"] > 0 and r["baseline_blocks_per_s"] > 0
+    # The whole bridge → consolidator → publisher path against a raw produce of the same
+    # pre-encoded messages: slower (0.03-0.25 measured), and the ratio is of the two.
+    assert r["ratio_to_baseline"] == pytest.approx(r["blocks_per_s"] / r["baseline_blocks_per_s"], rel=0.02)
+    assert 0 < r["ratio_to_baseline"] < 1, r
     # Random hashes do not compress: at least 8 bytes (a removed block) per block event.
     assert r["wire_bytes_per_block_event"] >= 8 and r["baseline_wire_bytes_per_block_event"] >= 8
     assert r["records_per_produce_request"] >= 1

@@ -34,6 +34,8 @@ def test_kafka_and_memory_logs_give_the_same_decisions(kafka_topics: Settings) -
     assert len({w for _, w in in_memory.decisions}) > 1
     assert through_kafka.replicas_agree
     assert through_kafka.log.counters == {} == in_memory.log.counters
+    # The in-memory log batches with the publisher's own batcher: the same records.
+    assert (in_memory.log.records, in_memory.log.events) == (through_kafka.log.records, through_kafka.log.events)
     a, b = summarize(in_memory), summarize(through_kafka)
     for key in ("hit_rate", "hit_rate_host", "router_hit_rate_host", "ttft_p50_ms", "ttft_p99_ms"):
         assert a[key] == b[key], key

@@ -8,22 +8,16 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from kvstream.events.codec import EventCodec
+from kvstream.events.codec import AvroCodec, EventCodec
 from kvstream.events.model import Cleared, EventBatch, Removed, Stored, Tier
 from kvstream.hashing import local_hashes, sequence_hashes
-from kvstream.kafka.config import consumer_config
+from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.settings import Settings, TopicSettings
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.errors import PublisherClosedError, PublisherQueueFullError
-from kvstream.worker.publisher import (
-    KafkaPublisher,
-    PublisherOptions,
-    QueueFull,
-    ResyncRequest,
-    send_resync_request,
-)
+from kvstream.worker.publisher import RESYNC_RECORD, KafkaPublisher, PublisherOptions, QueueFull, ResyncRequest
 from kvstream.worker.source_events import SourceRemoved, SourceStored
 
 pytestmark = pytest.mark.kafka
@@ -31,6 +25,18 @@ pytestmark = pytest.mark.kafka
 WORKER = 7
 LOCAL = local_hashes(list(range(16 * 12)), 16)  # 12 blocks
 D, H = Tier.DEVICE, Tier.HOST_PINNED
+
+
+def send_resync_request(settings: Settings, request: ResyncRequest, timeout_s: float = 30.0) -> None:
+    """Publish ``request`` on the control topic, as a replica does, and wait until Kafka has it."""
+    producer = Producer(producer_config(settings, **{"client.id": "kvstream-resync", "linger.ms": 0}))
+    errors: list[KafkaError] = []
+    producer.produce(
+        settings.topics.name("control"),
+        value=AvroCodec().encode(RESYNC_RECORD, request.to_record()),
+        on_delivery=lambda err, _msg: errors.append(err) if err else None,
+    )
+    assert producer.flush(timeout_s) == 0 and not errors, f"resync request not delivered: {errors}"
 
 
 def read_batches(

@@ -39,6 +39,7 @@ from kvstream.tools import fleet
 from kvstream.tools.bench.common import emit, json_option
 from kvstream.tools.bench.kafka_env import bootstrap_option, broker
 from kvstream.tools.bench.peers import PeerOptions, peer_versions, start_peer
+from kvstream.tools.plotting import pyplot
 
 ROUTERS = ("kvstream-kv", "kvstream-ttft", "kvstream-ttft-4-replicas", "vllm-router-kv_aware",
            "vllm-router-cache_aware", "sglang-router-cache_aware", "round_robin")
@@ -90,12 +91,14 @@ def _front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path)
 @click.option("--token-id-prompts", is_flag=True,
               help="Send token-id prompts instead of words (sglang-router refuses them; half the rate here).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also draw TTFT p50/p99 and cached-token share per router and load into this PNG.")
+              help="Also draw TTFT p50/p99 and cached-token share per router and load into this PNG (needs the plot extra: matplotlib).")
 @bootstrap_option
 @json_option
 def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, kill_engine: bool, routers: str,
                 trace: Path | None, quick: bool, token_id_prompts: bool, plot: Path | None, bootstrap: str | None, as_json: bool) -> None:
     """Routers head to head in front of the same emulated fleet and trace slice."""
+    if plot is not None:
+        pyplot()  # before the runs: a missing extra is said at once
     chosen = [r.strip() for r in routers.split(",") if r.strip()]
     unknown = sorted(set(chosen) - set(ROUTERS))
     if unknown:
@@ -132,10 +135,7 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
 
 def draw(out: dict[str, Any], path: Path) -> None:
     """Three panels per load: TTFT p50, TTFT p99, cached-token share, one bar per router."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     routers = list(out["routers"])

@@ -6,9 +6,26 @@ import random
 from array import array
 
 import click
+import xxhash
 
 from kvstream import hashing
 from kvstream.tools.bench.common import best_of, emit, json_option
+
+
+def per_block_loop(tokens: list[int], block_size: int, seed: int, with_sequence: bool) -> tuple[list[int], list[int]]:
+    """The baseline: the hashes written as a plain loop, one xxhash call per block and
+    one per block for the chain (DESIGN.md §1)."""
+    raw = array("I", tokens).tobytes()
+    step = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
+    local = [digest(raw[i : i + step], seed) for i in range(0, len(raw) - step + 1, step)]
+    seq: list[int] = []
+    if with_sequence:
+        prev: int | None = None
+        for h in local:
+            prev = h if prev is None else digest(prev.to_bytes(8, "little") + h.to_bytes(8, "little"), hashing.CHAIN_SEED)
+            seq.append(prev)
+    return local, seq
 
 
 @click.command("hashing")
@@ -19,26 +36,25 @@ from kvstream.tools.bench.common import best_of, emit, json_option
 @json_option
 def hashing_bench(n_tokens: int, block_size: int, vocab: int, seed: int, as_json: bool) -> None:
     """Local + sequence hashes of one prompt given as a list of ints (as requests carry
-    it). The baseline is the plain per-block xxhash loop (kvstream.hashing's pure-Python
-    definition: one xxhash call per block, and one per block for the chain)."""
+    it). The baseline is the plain per-block xxhash loop (:func:`per_block_loop`)."""
     rng = random.Random(seed)
     tokens = [rng.randrange(vocab) for _ in range(n_tokens)]
     buffer = array("I", tokens)
     seed_ = hashing.CHAIN_SEED
-    if hashing.block_hashes(tokens, block_size) != hashing.py_block_hashes(tokens, block_size, seed_, True):
-        raise click.ClickException("kernel and pure-Python hashes differ")
+    if hashing.block_hashes(tokens, block_size) != per_block_loop(tokens, block_size, seed_, True):
+        raise click.ClickException("kernel and per-block loop hashes differ")
     ours = best_of(lambda: hashing.block_hashes(tokens, block_size), 300)
     from_buffer = best_of(lambda: hashing.block_hashes(buffer, block_size), 300)
     local_only = best_of(lambda: hashing.local_hashes(tokens, block_size), 300)
-    base = best_of(lambda: hashing.py_block_hashes(tokens, block_size, seed_, True), 50)
-    base_local = best_of(lambda: hashing.py_block_hashes(tokens, block_size, seed_, False), 50)
+    base = best_of(lambda: per_block_loop(tokens, block_size, seed_, True), 50)
+    base_local = best_of(lambda: per_block_loop(tokens, block_size, seed_, False), 50)
     emit(
         {
             "bench": "hashing",
             "tokens": n_tokens,
             "vocab": vocab,
             "block_size": block_size,
-            "kernel": "native" if hashing.HAVE_KERNEL else "python",
+            "kernel": "native",
             "us_per_prompt": round(ours * 1e6, 2),
             "baseline_us_per_prompt": round(base * 1e6, 2),
             "speedup": round(base / ours, 2),

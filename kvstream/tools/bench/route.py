@@ -27,6 +27,7 @@ from kvstream import hashing
 from kvstream.router import Router, RouterConfig
 from kvstream.tools.bench.common import best_of, dynamo_option, emit, json_option, percentiles_us, time_calls
 from kvstream.tools.bench.dynamo_peer import side_by_side
+from kvstream.tools.bench.hashing import per_block_loop
 from kvstream.tools.bench.index import make_workload
 from kvstream.tools.bench.ingest_load import churn_records, route_under_ingest
 
@@ -134,7 +135,7 @@ def route_bench(
     it3 = iter(prompts)
     seed_ = hashing.CHAIN_SEED
     n_base = max(20, len(prompts) // 10)
-    t_base_hash = time_calls(lambda: hashing.py_block_hashes(next(it3), block_size, seed_, True), n_base)
+    t_base_hash = time_calls(lambda: per_block_loop(next(it3), block_size, seed_, True), n_base)
 
     under_ingest = None
     if ingest_rate:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstream.events.errors import DecodeError
-from kvstream.replica.active_codec import ActiveOpCodec
+from kvstream.replica.active_codec import ActiveOpCodec, load_window_start_ms
 from kvstream.replica.admission import admission_from_settings
 from kvstream.replica.request_ids import unscoped
 from kvstream.replica.route_body import InvalidRequest, RouteRequest, from_doc, overrides
@@ -181,8 +181,7 @@ def explain_at(
     """The decision for prompt ``req`` had it been routed at ``at_ms``."""
     rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress)
     router = rebuilt.fold.router
-    ttl_ms = int(router.config.request_ttl_s * 1000)
-    ops, bad = read_ops(settings, at_ms - ttl_ms, at_ms, progress)
+    ops, bad = read_ops(settings, load_window_start_ms(at_ms, router.config.request_ttl_s), at_ms, progress)
     refused = apply_ops(router, ops, rebuilt.removals)
     registry = registry_at(settings, at_ms, progress)
     candidates, admitted = _score(lambda: _admitted(settings, router, registry))
@@ -223,8 +222,8 @@ def decide_logged(
     add = logged.op
     assert isinstance(add, AddRequest)
     at_ms = logged.timestamp_ms
-    ttl_ms = int(router.config.request_ttl_s * 1000)
-    before = [o for o in ops if at_ms - ttl_ms <= o.timestamp_ms and o.order < logged.order]
+    since_ms = load_window_start_ms(at_ms, router.config.request_ttl_s)
+    before = [o for o in ops if since_ms <= o.timestamp_ms and o.order < logged.order]
     refused = apply_ops(router, before, removals)
     return _score(lambda: _decide_from_hashes(router, add, at_ms / 1000, candidates)), before, refused
 

@@ -24,6 +24,7 @@ from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.policy import RATE_SCOPES
 from kvstream.settings import SettingsError, load_settings
 from kvstream.tools.bench.common import emit
+from kvstream.tools.plotting import pyplot
 from kvstream.tools.simulate.engine import EngineConfig
 from kvstream.tools.simulate.errors import SimulationError
 from kvstream.tools.simulate.eventlog import EventLog, KafkaEventLog, MemoryEventLog
@@ -107,7 +108,7 @@ def _dataclass_options(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> Ca
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="Replicas folding the events (with --bootstrap); all must agree.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write TTFT CDFs and hit rates per policy to this PNG.")
+              help="Write TTFT CDFs and hit rates per policy to this PNG (needs the plot extra: matplotlib).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def simulate(
@@ -118,6 +119,8 @@ def simulate(
     **weights: Any,
 ) -> None:
     """Trace-driven fleet simulation: routing policies over simulated tiered workers."""
+    if plot_path is not None:
+        pyplot()  # before the runs: a missing extra is said at once
     try:
         speeds = parse_sweep(sweep_spec) if sweep_spec is not None else [speed]
         cost = CostModel(**{f.name: weights.pop(f.name) for f in fields(CostModel)})

@@ -32,9 +32,10 @@ import torch
 from kvstream.engine_model.costs import CostModel
 from kvstream.tools.simulate.errors import SimulationError
 from kvstream.worker.layout import BlockLayout
+from kvstream.worker.lifecycle import PoolRequest
 from kvstream.worker.offload import OffloadEngine, OffloadOptions
 from kvstream.worker.onboard import Onboarder
-from kvstream.worker.pool import NewBlock, PoolOptions, TieredBlockPool
+from kvstream.worker.pool import PoolOptions, TieredBlockPool
 from kvstream.worker.source_events import SourceEventSink
 
 
@@ -75,7 +76,8 @@ class Job:
     prefill_left: int = 0
     #: Tokens in the KV of a decoding request (prompt and output so far).
     context: int = 0
-    slots: list[int] = field(default_factory=list)
+    #: Its blocks on the pool (from admission).
+    request: PoolRequest | None = None
     device_blocks: int = 0
     host_blocks: int = 0
     disk_blocks: int = 0
@@ -148,9 +150,10 @@ class SimEngine:
     def _admit(self, job: Job) -> float:
         """Onboard the cached prefix, allocate the rest; returns the onboarding time (ms).
         At least the prompt's last token is computed (it makes the first output token)."""
-        res = self.onboarder.onboard(job.seqs)
+        req = job.request = PoolRequest(self.onboarder, job.local, job.seqs)
+        res = req.found
         job.device_blocks, job.host_blocks, job.disk_blocks = res.device_blocks, res.host_blocks, res.disk_blocks
-        job.slots = self.pool.device.allocate(len(job.seqs) - len(res.block_hashes))
+        req.allocate()
         bs = self.config.block_size
         job.prefill_left = max(job.input_length - len(res.block_hashes) * bs, 1)
         c = self.cost
@@ -217,20 +220,13 @@ class SimEngine:
             job.remaining -= steps
             job.context += steps
             (finished if job.remaining <= 0 else still).append(job)
-        device = self.pool.device
         first: list[Job] = []
         for job, take in chunks:
             job.prefill_left -= take
             if job.prefill_left > 0:
                 continue
             self.prefilling.remove(job)
-            start = len(job.seqs) - len(job.slots)
-            if job.slots:
-                device.register(
-                    [NewBlock(slot, job.seqs[i], job.seqs[i - 1] if i else None, job.local[i])
-                     for slot, i in zip(job.slots, range(start, len(job.seqs)))],
-                    pin=True,
-                )
+            job.request.prefilled()  # type: ignore[union-attr]  # set at admission
             job.first_token_s = now_s
             job.remaining = job.output_length - 1
             job.context = job.input_length + 1
@@ -238,7 +234,7 @@ class SimEngine:
             (finished if job.remaining <= 0 else still).append(job)
         for job in finished:
             job.finish_s = now_s
-            device.unpin(job.seqs)
+            job.request.release()  # type: ignore[union-attr]  # set at admission
         self.decoding = still
         return StepEnd(tuple(first), tuple(finished))
 

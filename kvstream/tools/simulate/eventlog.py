@@ -22,7 +22,7 @@ from typing import Protocol
 from confluent_kafka import Consumer, KafkaException
 
 from kvstream.events.codec import EventCodec
-from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import EventBatch
 from kvstream.kafka.config import consumer_config
 from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.replica.fold import LogFold
@@ -30,6 +30,7 @@ from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import Router, RouterConfig
 from kvstream.settings import Settings
 from kvstream.tools.simulate.errors import EventLogError
+from kvstream.worker.batcher import EventBatcher
 from kvstream.worker.consolidator import RouterEventWriter
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 
@@ -77,42 +78,6 @@ class EventLog(Protocol):
     def close(self) -> None: ...
 
 
-class MemoryWriter:
-    """A :class:`RouterEventWriter` that stamps events like a publisher (one epoch, ids
-    from 1 per rank, starting with ``cleared``) and cuts them into one batch per sync."""
-
-    def __init__(self, worker_id: int, epoch: int = 1) -> None:
-        self.worker_id = worker_id
-        self.epoch = epoch
-        self._next_id: dict[int, int] = {}
-        self._pending: list[RouterEvent] = []
-        self.cleared(0)
-
-    def _id(self, dp_rank: int) -> int:
-        eid = self._next_id.get(dp_rank, 1)
-        self._next_id[dp_rank] = eid + 1
-        return eid
-
-    def stored(self, dp_rank: int, tier: Tier, parent_hash: int | None, block_hashes: list[int],
-               tokens_hashes: list[int]) -> None:
-        self._pending.append(Stored(self.worker_id, dp_rank, tier, self.epoch, self._id(dp_rank), parent_hash,
-                                    tuple(block_hashes), tuple(tokens_hashes)))
-
-    def removed(self, dp_rank: int, tier: Tier, block_hashes: list[int]) -> None:
-        self._pending.append(Removed(self.worker_id, dp_rank, tier, self.epoch, self._id(dp_rank),
-                                     tuple(block_hashes)))
-
-    def cleared(self, dp_rank: int, tier: Tier = Tier.DEVICE) -> None:
-        self._pending.append(Cleared(self.worker_id, dp_rank, tier, self.epoch, self._id(dp_rank)))
-
-    def cut(self) -> EventBatch | None:
-        if not self._pending:
-            return None
-        batch = EventBatch(self.worker_id, self.epoch, SIM_LEASE_MS, tuple(self._pending))
-        self._pending = []
-        return batch
-
-
 class MemoryEventLog:
     """A partitioned log in memory (lists of encoded records), folded by one LogFold."""
 
@@ -124,19 +89,31 @@ class MemoryEventLog:
         self._codec = EventCodec()
         self._fold = LogFold(self.router, self._codec.decode)
         self._partitions: list[list[tuple[int, bytes]]] = [[] for _ in range(partitions)]
-        self._writers: dict[int, MemoryWriter] = {}
+        self._writers: dict[int, EventBatcher] = {}
+        #: Batches cut per worker since the last sync.
+        self._cut: dict[int, list[EventBatch]] = {}
         self._events = 0
 
-    def writer(self, worker_id: int) -> MemoryWriter:
-        w = self._writers[worker_id] = MemoryWriter(worker_id)
+    def writer(self, worker_id: int) -> EventBatcher:
+        """Batches as a publisher's (one epoch, ids from 1 per rank, starting with
+        ``cleared``), published at each sync."""
+        batches = self._cut[worker_id] = []
+        opts = PublisherOptions(worker_id, lease_ms=SIM_LEASE_MS)
+        w = self._writers[worker_id] = EventBatcher(
+            worker_id, SIM_LEASE_MS, opts.max_batch_events, opts.max_batch_blocks,
+            lambda batch, _blocks: batches.append(batch),
+        )
+        w.start_epoch(1)
         return w
 
     def sync(self, now_ms: int) -> None:
         for wid in sorted(self._writers):
-            batch = self._writers[wid].cut()
-            if batch is not None:
+            self._writers[wid].cut()
+            batches = self._cut[wid]
+            for batch in batches:
                 self._events += len(batch.events)
                 self._partitions[wid % len(self._partitions)].append((now_ms, self._codec.encode(batch)))
+            batches.clear()
         for p, records in enumerate(self._partitions):
             start = self._fold.partitions[p].next_offset if p in self._fold.partitions else 0
             for offset in range(start, len(records)):

@@ -1,4 +1,4 @@
-"""Figures of a simulation run, and the comparison plot (matplotlib, Agg backend)."""
+"""Figures of a simulation run, and the comparison plot (matplotlib: the ``plot`` extra)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvstream.events.model import Tier
+from kvstream.tools.plotting import pyplot
 from kvstream.tools.simulate.reference import ReferenceHits
 from kvstream.tools.simulate.runner import SimResult
 
@@ -104,10 +105,7 @@ def windows(result: SimResult, size: int, references: Mapping[str, ReferenceHits
 
 def plot(results: list[SimResult], path: str | Path) -> None:
     """TTFT CDFs (left) and hit rates per tier (right), one series per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_cdf, ax_hit) = plt.subplots(1, 2, figsize=(13, 5))
     labels = [_label(r) for r in results]

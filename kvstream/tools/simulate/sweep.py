@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstream.tools.plotting import pyplot
 from kvstream.tools.simulate.errors import SimulationError
 from kvstream.tools.simulate.reference import ReferenceHits
 from kvstream.tools.simulate.runner import SimResult
@@ -129,11 +130,9 @@ _STYLES = {
 def plot_sweep(points: Sequence[SweepPoint], references: Mapping[str, ReferenceHits], path: str | os.PathLike[str],
                title: str) -> None:
     """TTFT p50 and p99 (left, log scale) and hit rate (right) against offered load."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
+    from matplotlib.ticker import PercentFormatter
 
     fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(14, 5.5))
     policies = list(dict.fromkeys(p.result.options.policy for p in points))
@@ -168,7 +167,7 @@ def plot_sweep(points: Sequence[SweepPoint], references: Mapping[str, ReferenceH
     ax_h.set_xlabel("offered load (requests/s, log scale)")
     ax_h.set_ylabel("prompt blocks found in cache")
     ax_h.set_title("Prefix hit rate against load")
-    ax_h.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax_h.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax_h.set_ylim(0, None)
     ax_h.grid(True, which="both", alpha=0.3)
     ax_h.legend(fontsize=8)
