@@ -1,4 +1,5 @@
-"""Router events: the model (``model``), its Avro wire codec (``codec``) and schemas."""
+"""Router events: the model (``model``), its Avro wire codec (``codec``) and schemas,
+how ids travel (``wire``) and the control records (``control``)."""
 
 from kvstream.events.errors import DecodeError, EventError, UnknownMediumError
 from kvstream.events.model import (

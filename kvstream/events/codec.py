@@ -41,9 +41,10 @@ from fastavro import schemaless_reader, schemaless_writer
 from kvstream._native import EventBatchReader, encode_event_batch
 
 from kvstream.events.errors import DecodeError, EncodeError, EventError
-from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
+from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
 from kvstream.events.schemas import SchemaStore, SchemaVersion
 from kvstream.events.strict import StrictLayout
+from kvstream.events.wire import to_long, to_u64
 
 MARKER = b"\xc3\x01"
 HEADER_LEN = len(MARKER) + 8
@@ -195,13 +196,6 @@ def unpack_u64(data: bytes) -> tuple[int, ...]:
     return _packer(count).unpack(data)
 
 
-def _to_long(value: int, what: str) -> int:
-    """u64 → the Avro long with the same 64 bits."""
-    if not 0 <= value <= U64_MAX:
-        raise EncodeError(f"{what} {value!r} is not a u64")
-    return value - (1 << 64) if value > _I64_MAX else value
-
-
 class EventCodec:
     """``EventBatch`` ↔ single-object Avro bytes of ``kvstream.events.EventBatch``."""
 
@@ -274,8 +268,8 @@ class EventCodec:
         if not 0 <= batch.lease_ms <= _I64_MAX:
             raise EncodeError(f"lease_ms {batch.lease_ms!r} must be in [0, 2**63)")
         return {
-            "worker_id": _to_long(batch.worker_id, "worker_id"),
-            "epoch": _to_long(batch.epoch, "epoch"),
+            "worker_id": to_long(batch.worker_id, "worker_id"),
+            "epoch": to_long(batch.epoch, "epoch"),
             "lease_ms": batch.lease_ms,
             "events": [self._event_record(ev) for ev in batch.events],
         }
@@ -287,7 +281,7 @@ class EventCodec:
         record: dict[str, Any] = {
             "dp_rank": ev.dp_rank,
             "tier": _SYMBOL_BY_TIER[ev.tier],
-            "event_id": _to_long(ev.event_id, "event_id"),
+            "event_id": to_long(ev.event_id, "event_id"),
             "parent_hash": None,
             "block_hashes": b"",
             "tokens_hashes": b"",
@@ -295,7 +289,7 @@ class EventCodec:
         if isinstance(ev, Stored):
             record["kind"] = "STORED"
             if ev.parent_hash is not None:
-                record["parent_hash"] = _to_long(ev.parent_hash, "parent_hash")
+                record["parent_hash"] = to_long(ev.parent_hash, "parent_hash")
             record["block_hashes"] = pack_u64(ev.block_hashes)
             record["tokens_hashes"] = pack_u64(ev.tokens_hashes)
         elif isinstance(ev, Removed):
@@ -345,8 +339,8 @@ class EventCodec:
 
     @staticmethod
     def _batch(record: dict[str, Any]) -> EventBatch:
-        worker_id = record["worker_id"] & U64_MAX
-        epoch = record["epoch"] & U64_MAX
+        worker_id = to_u64(record["worker_id"])
+        epoch = to_u64(record["epoch"])
         lease_ms = record["lease_ms"]
         if lease_ms < 0:
             raise DecodeError(f"negative lease_ms {lease_ms}", reason="invalid")
@@ -364,7 +358,7 @@ class EventCodec:
                     reason="invalid",
                 )
             kind = ev["kind"]
-            event_id = ev["event_id"] & U64_MAX
+            event_id = to_u64(ev["event_id"])
             parent = ev["parent_hash"]
             if kind == "STORED":
                 append(
@@ -374,7 +368,7 @@ class EventCodec:
                         tier,
                         epoch,
                         event_id,
-                        None if parent is None else parent & U64_MAX,
+                        None if parent is None else to_u64(parent),
                         unpack_u64(ev["block_hashes"]),
                         unpack_u64(ev["tokens_hashes"]),
                     )

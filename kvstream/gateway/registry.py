@@ -22,24 +22,15 @@ from urllib.parse import urlsplit
 from kvstream.events.codec import AvroCodec
 from kvstream.events.errors import EventError
 from kvstream.events.model import U64_MAX
+from kvstream.events.wire import key_worker, to_long, to_u64
 from kvstream.gateway.errors import RegistrationError
 from kvstream.gateway.seams import WorkerEndpoint
 
 WORKER_REGISTRATION = "kvstream.workers.WorkerRegistration"
-_I64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1
 #: Longest model or adapter name accepted (OpenAI ids are short; this bounds a record).
 MAX_NAME_CHARS = 256
 MAX_NAMES = 1024
-
-
-def worker_key(worker_id: int) -> bytes:
-    """The record key of a worker: its id as 8 bytes big-endian (kvstream.events' key)."""
-    return worker_id.to_bytes(8, "big")
-
-
-def _long(value: int) -> int:
-    return value - (1 << 64) if value > _I64_MAX else value
 
 
 def normalize_url(url: str) -> str:
@@ -134,10 +125,10 @@ class RegistrationCodec:
         return self.codec.encode(
             WORKER_REGISTRATION,
             {
-                "worker_id": _long(reg.worker_id), "url": reg.url, "models": list(reg.models),
+                "worker_id": to_long(reg.worker_id, "worker_id"), "url": reg.url, "models": list(reg.models),
                 "loras": list(reg.loras), "block_size": reg.block_size, "dp_ranks": list(reg.dp_ranks),
                 "engine": reg.engine, "kv_capacity_blocks": reg.kv_capacity_blocks,
-                "epoch": _long(reg.epoch), "registered_at_ms": reg.registered_at_ms,
+                "epoch": to_long(reg.epoch, "epoch"), "registered_at_ms": reg.registered_at_ms,
             },
         )
 
@@ -151,10 +142,10 @@ class RegistrationCodec:
             raise RegistrationError(f"expected a {WORKER_REGISTRATION} record, got {name}", reason="undecodable")
         try:
             return Registration(
-                worker_id=r["worker_id"] & U64_MAX, url=r["url"], models=tuple(r["models"]),
+                worker_id=to_u64(r["worker_id"]), url=r["url"], models=tuple(r["models"]),
                 loras=tuple(r["loras"]), block_size=r["block_size"], dp_ranks=tuple(r["dp_ranks"]),
                 engine=r["engine"], kv_capacity_blocks=r["kv_capacity_blocks"],
-                epoch=r["epoch"] & U64_MAX, registered_at_ms=r["registered_at_ms"],
+                epoch=to_u64(r["epoch"]), registered_at_ms=r["registered_at_ms"],
             )
         except RegistrationError as exc:
             raise RegistrationError(f"invalid registration: {exc}", reason="invalid") from None
@@ -191,9 +182,9 @@ class WorkerRegistry:
         return reason
 
     def _apply(self, key: bytes | None, value: bytes | None) -> str | None:
-        if key is None or len(key) != 8:
+        wid = key_worker(key)
+        if wid is None:
             return "bad_key"
-        wid = int.from_bytes(key, "big")
         if value is None:
             with self._lock:
                 if wid not in self._regs:

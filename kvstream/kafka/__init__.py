@@ -1,1 +1,2 @@
-"""Kafka: client settings, topics and the local development broker (DESIGN.md §2, §10)."""
+"""Kafka: client settings, topics, metadata and watermarks, a producer that counts
+failures instead of raising, and the local development broker (DESIGN.md §2, §10)."""

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from kvstream.events.codec import AvroCodec, pack_u64, unpack_u64
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import U64_MAX
+from kvstream.events.wire import to_long, to_u64
 from kvstream.replica.request_ids import is_safe, scoped, unscoped
 from kvstream.router.active import ActiveOp, AddRequest, FreeRequest, PackedHashes, PrefillDone
 
 ACTIVE_OP = "kvstream.active.ActiveOp"
-_I64_MAX = (1 << 63) - 1
 
 
 class ActiveOpCodec:
@@ -31,10 +30,9 @@ class ActiveOpCodec:
             "sequence_hashes": b"",
         }
         if isinstance(op, AddRequest):
-            wid = op.worker_id
             record.update(
                 kind="ADD",
-                worker_id=wid - (1 << 64) if wid > _I64_MAX else wid,
+                worker_id=to_long(op.worker_id, "worker_id"),
                 dp_rank=op.dp_rank,
                 isl=op.isl,
                 overlap_tokens=op.overlap_tokens,
@@ -58,7 +56,7 @@ class ActiveOpCodec:
             if r["isl"] < 0 or r["overlap_tokens"] < 0 or not 0 <= r["dp_rank"] < 2**32:
                 raise DecodeError("active op with a negative length or a bad dp_rank")
             op: ActiveOp = AddRequest(
-                r["request_id"], r["worker_id"] & U64_MAX, r["dp_rank"], r["isl"],
+                r["request_id"], to_u64(r["worker_id"]), r["dp_rank"], r["isl"],
                 r["overlap_tokens"], unpack_u64(r["sequence_hashes"]), ts,
             )
         elif kind == "PREFILL_DONE":

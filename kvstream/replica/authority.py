@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstream.events.model import Cleared, EventBatch, RouterEvent, Stored
+from kvstream.events.wire import worker_key
 from kvstream.settings import FoldSettings
 
 # Counter reasons (batches rejected whole).
@@ -38,12 +39,6 @@ PARTITION_FULL = "partition_block_limit"
 DEFAULT_BLOCKS_PER_WORKER = 1 << 20
 
 _NS_PER_MS = 1_000_000
-
-
-def worker_key(worker_id: int) -> bytes:
-    """The record key of a worker's batches (what the publisher sets: the worker id as
-    8 big-endian bytes), so that one worker's records stay on one partition."""
-    return worker_id.to_bytes(8, "big")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,11 @@ from collections.abc import Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from kvstream.events.wire import worker_key
 from kvstream.gateway.errors import RegistrationError
-from kvstream.gateway.registry import Registration, RegistrationCodec, worker_key
+from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import producer_config
+from kvstream.kafka.metadata import topic_partitions
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
 from kvstream.worker.errors import RegistryTopicError
@@ -44,10 +46,10 @@ class WorkerAnnouncer:
     def announce(self) -> None:
         """Put the registration on the topic; RegistryTopicError when Kafka does not take it."""
         try:
-            md = self._producer.list_topics(self._topic, timeout=self._timeout_s).topics.get(self._topic)
+            partitions = topic_partitions(self._producer, self._topic, self._timeout_s)
         except KafkaException as exc:
             raise RegistryTopicError(f"cannot reach Kafka to register the worker: {exc.args[0]}") from None
-        if md is None or md.error is not None or not md.partitions:
+        if not partitions:
             raise RegistryTopicError(
                 f"worker registry topic {self._topic} does not exist (create it with `kvstream topics create`)"
             )

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from kvstream.gateway.errors import RegistrationError
-from kvstream.gateway.registry import Registration, RegistrationCodec, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import consumer_config
+from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
 from kvstream.worker.errors import RegistryTopicError
@@ -48,16 +50,13 @@ class TakeOverWatch:
         topic = settings.topics.name("workers")
         self._consumer = Consumer(consumer_config(settings, **{"client.id": f"kvstream-worker-{worker_id}-fence"}))
         try:
-            md = self._consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
-            if md is None or md.error is not None or not md.partitions:
+            partitions = topic_partitions(self._consumer, topic, timeout_s)
+            if not partitions:
                 raise RegistryTopicError(
                     f"worker registry topic {topic} does not exist (create it with `kvstream topics create`)"
                 )
-            ends = [
-                TopicPartition(topic, p, self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)[1])
-                for p in md.partitions
-            ]
-            self._consumer.assign(ends)
+            ends = end_offsets(self._consumer, topic, partitions, timeout_s)
+            self._consumer.assign([TopicPartition(topic, p, end) for p, end in ends.items()])
         except KafkaException as exc:
             self._consumer.close()
             raise RegistryTopicError(f"cannot reach Kafka to watch the worker registry: {exc.args[0]}") from None

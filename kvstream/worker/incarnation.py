@@ -33,8 +33,10 @@ from kvstream.events.codec import EventCodec
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import EventBatch
 from kvstream.gateway.errors import RegistrationError
-from kvstream.gateway.registry import Registration, RegistrationCodec, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import consumer_config
+from kvstream.kafka.metadata import end_offsets, topic_partitions, watermarks
 from kvstream.settings import Settings
 from kvstream.worker.errors import RegistryTopicError
 
@@ -167,13 +169,13 @@ def _newest_batch(
     """(epoch, lease ms, timestamp ms) of the newest batch keyed ``key`` within the
     lookback, and its partition at the end it had when read."""
     topic = settings.topics.name("events")
-    md = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
-    if md is None or md.error is not None or not md.partitions:
+    partitions = topic_partitions(consumer, topic, timeout_s)
+    if not partitions:
         return None  # no topic: nobody publishes (the publisher says what is missing)
-    p = kafka_partition(key, len(md.partitions))
+    p = kafka_partition(key, len(partitions))
     since = int(time.time() * 1000) - (settings.fold.max_lease_ms or DEFAULT_LOOKBACK_MS)
     start = consumer.offsets_for_times([TopicPartition(topic, p, since)], timeout=timeout_s)[0].offset
-    _, end = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+    end = end_offsets(consumer, topic, [p], timeout_s)[p]
     if start < 0 or start == OFFSET_END or start >= end:
         return None
     newest: tuple[int, int, int] | None = None
@@ -189,13 +191,12 @@ def _newest_batch(
 def _registration(consumer: Consumer, topic: str, key: bytes, timeout_s: float) -> tuple[bool, Registration | None]:
     """(whether the id's last record on the registry is a tombstone, its last
     registration)."""
-    md = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
-    if md is None or md.error is not None or not md.partitions:
+    partitions = topic_partitions(consumer, topic, timeout_s)
+    if not partitions:
         return False, None
     withdrawn, reg = False, None
     codec = RegistrationCodec()
-    for p in sorted(md.partitions):
-        low, end = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+    for p, (low, end) in watermarks(consumer, topic, partitions, timeout_s).items():
         if low >= end:
             continue
         for msg in _read_to_end(consumer, TopicPartition(topic, p, low), end, timeout_s):

@@ -39,9 +39,13 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from kvstream.events.codec import AvroCodec, EventCodec
+from kvstream.events.control import RESYNC_REQUEST as RESYNC_RECORD
+from kvstream.events.control import ResyncRequest
 from kvstream.events.errors import EventError
 from kvstream.events.model import STATUS_HEADER, EventBatch, Tier
+from kvstream.events.wire import worker_key
 from kvstream.kafka.config import consumer_config, producer_config
+from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.logs import get_logger
 from kvstream.settings import Settings
 from kvstream.worker.batcher import EventBatcher
@@ -56,10 +60,6 @@ from kvstream.worker.errors import (
 log = get_logger(__name__)
 
 _U64 = (1 << 64) - 1
-RESYNC_RECORD = "kvstream.control.ResyncRequest"
-_LEADER_NOT_READY = frozenset(
-    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,42 +116,6 @@ class PublisherStats:
     control_errors: int = 0  # undecodable control records
 
 
-@dataclass(frozen=True, slots=True)
-class ResyncRequest:
-    """Asks ``worker_id`` (None: every worker) to republish its full state."""
-
-    worker_id: int | None
-    requester: str
-    reason: str
-    requested_at_ms: int
-    #: The epoch the log holds for the worker (None: unknown); the new epoch must be
-    #: greater: a plausible epoch forged ahead of the worker's own is outranked so.
-    above_epoch: int | None = None
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "worker_id": _signed(self.worker_id),
-            "requester": self.requester,
-            "reason": self.reason,
-            "requested_at_ms": self.requested_at_ms,
-            "above_epoch": _signed(self.above_epoch),
-        }
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> ResyncRequest:
-        wid, above = record["worker_id"], record.get("above_epoch")
-        return cls(
-            worker_id=None if wid is None else wid & _U64,
-            requester=record["requester"],
-            reason=record["reason"],
-            requested_at_ms=record["requested_at_ms"],
-            above_epoch=None if above is None else above & _U64,
-        )
-
-
-def _signed(v: int | None) -> int | None:
-    """A u64 as the two's-complement long Avro carries."""
-    return None if v is None else (v - (1 << 64) if v >= 1 << 63 else v)
 
 
 class ControlListener:
@@ -171,20 +135,15 @@ class ControlListener:
             )
         )
         try:
-            md = self._consumer.list_topics(topic, timeout=timeout_s)
-            meta = md.topics.get(topic)
-            if meta is None or meta.error is not None or not meta.partitions:
+            partitions = topic_partitions(self._consumer, topic, timeout_s)
+            if not partitions:
                 raise ControlTopicError(
                     f"control topic {topic} does not exist (create it with `kvstream topics`)"
                 )
-            deadline = time.monotonic() + timeout_s
             # Start at the current end, resolved now, so that a request published after
             # this constructor returns is never missed.
-            assignment = [
-                TopicPartition(topic, p, self._end_offset(TopicPartition(topic, p), deadline))
-                for p in sorted(meta.partitions)
-            ]
-            self._consumer.assign(assignment)
+            ends = end_offsets(self._consumer, topic, partitions, timeout_s)
+            self._consumer.assign([TopicPartition(topic, p, end) for p, end in ends.items()])
         except KafkaException as exc:
             self._consumer.close()
             raise ControlTopicError(f"cannot read control topic {topic}: {exc.args[0]}") from exc
@@ -192,19 +151,6 @@ class ControlListener:
             self._consumer.close()
             raise
         self.errors = 0
-
-    def _end_offset(self, tp: TopicPartition, deadline: float) -> int:
-        while True:
-            try:
-                return self._consumer.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))[1]
-            except KafkaException as exc:
-                # A topic created a moment ago may not have its leader yet (librdkafka
-                # does not flag these as retriable here).
-                err = exc.args[0]
-                transient = err.retriable() or err.code() in _LEADER_NOT_READY
-                if not transient or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.1)
 
     def poll(self) -> list[ResyncRequest]:
         out: list[ResyncRequest] = []
@@ -257,7 +203,7 @@ class KafkaPublisher:
         self.worker_id = options.worker_id
         self._codec = codec or EventCodec()
         self._topic = settings.topics.name("events")
-        self._key = options.worker_id.to_bytes(8, "big")
+        self._key = worker_key(options.worker_id)
         self._producer = Producer(
             producer_config(
                 settings,

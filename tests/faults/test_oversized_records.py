@@ -23,7 +23,8 @@ from confluent_kafka import Producer
 
 from kvstream.events.codec import EVENT_BATCH, AvroCodec
 from kvstream.kafka.config import producer_config
-from kvstream.replica.authority import EVENT_TOO_LARGE, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.replica.authority import EVENT_TOO_LARGE
 from kvstream.settings import Settings
 
 from tests.faults.helpers import agrees_with_log, free_port, spawn_router, stop_process, wait_http

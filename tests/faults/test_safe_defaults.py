@@ -18,7 +18,8 @@ from confluent_kafka import Producer
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Cleared, EventBatch, Stored, Tier
 from kvstream.kafka.config import producer_config
-from kvstream.replica.authority import WORKER_FULL, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.replica.authority import WORKER_FULL
 from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH, TICK_HEADER
 from kvstream.settings import Settings
 from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http

@@ -19,7 +19,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 from kvstream.kafka.config import admin_config, producer_config
-from kvstream.replica.authority import worker_key
+from kvstream.events.wire import worker_key
 from kvstream.replica.fold import WRONG_PARTITION
 from kvstream.settings import Settings
 from kvstream.tools.replay.rebuild import rebuild_at

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstream.events.codec import HEADER_LEN, AvroCodec
+from kvstream.events.wire import worker_key
 from kvstream.gateway.errors import RegistrationError
 from kvstream.gateway.registry import (
     WORKER_REGISTRATION,
     Registration,
     RegistrationCodec,
     WorkerRegistry,
-    worker_key,
 )
 
 CODEC = RegistrationCodec()

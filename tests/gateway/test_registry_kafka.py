@@ -17,7 +17,8 @@ from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 
 from kvstream.events.codec import AvroCodec
-from kvstream.gateway.registry import Registration, RegistrationCodec, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import producer_config
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstream.events.model import Cleared, EventBatch, Removed, RouterEvent, Stored, Tier
-from kvstream.replica.authority import LogAuthority, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.replica.authority import LogAuthority
 from kvstream.replica.fold import LogFold
 from kvstream.router import Router
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from kvstream.events.model import EventBatch
 from kvstream.replica.active_codec import ActiveOpCodec
-from kvstream.replica.authority import authority_from_settings, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.cli import router_config
 from kvstream.replica.fold import LogFold
 from kvstream.replica.request_ids import scoped

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from kvstream.gateway.registry import worker_key
+from kvstream.events.wire import worker_key
 from kvstream.kafka.config import consumer_config
 from kvstream.worker.incarnation import kafka_partition
 

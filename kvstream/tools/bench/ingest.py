@@ -37,7 +37,8 @@ import numpy as np
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Cleared, EventBatch, Stored, Tier
-from kvstream.replica.authority import authority_from_settings, worker_key
+from kvstream.events.wire import worker_key
+from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.fold import LogFold
 from kvstream.replica.record import Record
 from kvstream.replica.replica import Replica

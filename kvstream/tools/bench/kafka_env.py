@@ -15,13 +15,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from tqdm import tqdm
 
+from kvstream.events.wire import worker_key
 from kvstream.kafka.config import admin_config, consumer_config, producer_config
 from kvstream.kafka.errors import BrokerError
 from kvstream.kafka.local_broker import start_local_cluster, stop_local_cluster
+from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica
 from kvstream.settings import Settings, TopicSettings
@@ -82,27 +84,19 @@ def kafka_env(bootstrap: str | None, **topic_fields: Any) -> Iterator[Settings]:
 def _wait_served(settings: Settings, timeout: float = 60.0) -> None:
     """Return once every events partition answers offset queries: a topic just created
     may still lack partition leaders for a moment."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            high_watermarks(settings)
-            return
-        except KafkaException as exc:
-            if time.monotonic() > deadline:
-                raise click.ClickException(f"the new topics are not served after {timeout:.0f}s: {exc}") from None
-            time.sleep(0.2)
+    try:
+        high_watermarks(settings, timeout=timeout)
+    except KafkaException as exc:
+        raise click.ClickException(f"the new topics are not served after {timeout:.0f}s: {exc}") from None
 
 
-def high_watermarks(settings: Settings, role: str = "events") -> dict[int, int]:
-    """Next offset to be written, per partition of the topic of ``role``."""
+def high_watermarks(settings: Settings, role: str = "events", timeout: float = 30.0) -> dict[int, int]:
+    """Next offset to be written, per partition of the topic of ``role`` (retried while
+    its leaders are elected, up to ``timeout`` s)."""
     topic = settings.topics.name(role)
     consumer = Consumer(consumer_config(settings))
     try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        return {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30, cached=False)[1]
-            for p in sorted(parts)
-        }
+        return end_offsets(consumer, topic, topic_partitions(consumer, topic, timeout), timeout)
     finally:
         consumer.close()
 
@@ -121,7 +115,7 @@ def produce_records(settings: Settings, records: Sequence[tuple[int, bytes]], de
     for wid, value in tqdm(records, desc=desc, unit="rec", file=sys.stderr, mininterval=1.0):
         while True:
             try:
-                producer.produce(topic, value=value, key=wid.to_bytes(8, "big"), on_delivery=delivered)
+                producer.produce(topic, value=value, key=worker_key(wid), on_delivery=delivered)
                 break
             except BufferError:  # the client's queue is full: let deliveries make room
                 producer.poll(0.05)

@@ -13,7 +13,9 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Removed, Stored, Tier
+from kvstream.events.wire import worker_key
 from kvstream.kafka.config import consumer_config, producer_config
+from kvstream.kafka.metadata import topic_partitions
 from kvstream.settings import Settings
 from kvstream.tools.bench.common import emit, json_option
 from kvstream.tools.bench.kafka_env import kafka_env
@@ -78,7 +80,7 @@ def _read_values(settings: Settings, topic: str) -> list[bytes]:
     """Every record value of ``topic``, in order per partition."""
     consumer = Consumer(consumer_config(settings))
     try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        parts = topic_partitions(consumer, topic, 30)
         consumer.assign([TopicPartition(topic, p, 0) for p in parts])
         values: list[bytes] = []
         at_end: set[int] = set()
@@ -226,10 +228,10 @@ def _run(
     producer = Producer(
         producer_config(settings, **{"client.id": "kvstream-bench-baseline", **overrides, **base_meter.config()})
     )
-    producer.produce(base_topic, value=values[0], key=WORKER_ID.to_bytes(8, "big"))
+    producer.produce(base_topic, value=values[0], key=worker_key(WORKER_ID))
     if producer.flush(60):
         raise click.ClickException("Kafka did not acknowledge the baseline's warm-up message")
-    key = WORKER_ID.to_bytes(8, "big")
+    key = worker_key(WORKER_ID)
     base_before = base_meter.totals(producer.poll)
     t0, cpu0 = time.perf_counter(), time.process_time()
     for v in values:

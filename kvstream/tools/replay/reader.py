@@ -25,6 +25,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from tqdm import tqdm
 
 from kvstream.kafka.config import consumer_config
+from kvstream.kafka.metadata import topic_partitions, watermarks
 from kvstream.replica.record import Record, read_record
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, RetentionError, TopicMissingError
@@ -116,27 +117,24 @@ class LogReader:
         )
         self._closed = False
         try:
-            md = self._consumer.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
+            partitions = topic_partitions(self._consumer, self.topic, timeout)
         except KafkaException as exc:
             self.close()
             raise ReplayError(f"cannot reach Kafka: {exc.args[0]}") from None
-        if md is None or md.error is not None or not md.partitions:
+        if not partitions:
             self.close()
             raise TopicMissingError(
                 f"topic {self.topic} does not exist (wrong --topic-prefix or --bootstrap? "
                 "`kvstream topics create` makes it)"
             )
-        self.partitions: tuple[int, ...] = tuple(sorted(md.partitions))
-        self.low: dict[int, int] = {}
-        self.high: dict[int, int] = {}
+        self.partitions: tuple[int, ...] = partitions
         try:
-            for p in self.partitions:
-                self.low[p], self.high[p] = self._consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, p), timeout=timeout, cached=False
-                )
+            bounds = watermarks(self._consumer, self.topic, partitions, timeout)
         except KafkaException as exc:
             self.close()
             raise ReplayError(f"cannot read the offsets of {self.topic}: {exc.args[0]}") from None
+        self.low: dict[int, int] = {p: low for p, (low, _) in bounds.items()}
+        self.high: dict[int, int] = {p: high for p, (_, high) in bounds.items()}
 
     def __enter__(self) -> LogReader:
         return self

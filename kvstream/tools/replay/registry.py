@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstream.events.wire import key_worker
 from kvstream.gateway.registry import WorkerRegistry
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import TopicMissingError
@@ -38,8 +39,8 @@ def registry_at(settings: Settings, at_ms: int, progress: bool | None = None) ->
             for rec in reader.read(dict(reader.low), dict(reader.high), progress=progress, desc="workers"):
                 if rec.offset < end[rec.partition]:
                     registry.apply(rec.key, rec.value)
-                elif rec.key is not None and len(rec.key) == 8:
-                    later.add(int.from_bytes(rec.key, "big"))
+                elif (wid := key_worker(rec.key)) is not None:
+                    later.add(wid)
     except TopicMissingError:
         return RegistryAt(frozenset(), frozenset(), "no worker registry topic: no worker registered")
     ids = registry.worker_ids()

@@ -19,11 +19,12 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import EventBatch
 from kvstream.kafka.config import consumer_config
+from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.replica.fold import LogFold
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router import Router, RouterConfig
@@ -157,17 +158,17 @@ class KafkaEventLog:
                 r.start()
                 self.replicas.append(r)
             self._consumer = Consumer(consumer_config(settings))
-            md = self._consumer.list_topics(self._topic, timeout=30).topics.get(self._topic)
+            partitions = topic_partitions(self._consumer, self._topic, 30)
         except KafkaException as exc:
             self.close()
             raise EventLogError(f"cannot reach Kafka at {settings.bootstrap}: {exc.args[0]}") from None
         except Exception:
             self.close()
             raise
-        if md is None or md.error is not None:
+        if not partitions:
             self.close()
             raise EventLogError(f"topic {self._topic} is missing (create it with `kvstream topics create`)")
-        self._partitions = sorted(md.partitions)
+        self._partitions = partitions
         self.router = self.replicas[0].router
 
     def writer(self, worker_id: int) -> KafkaPublisher:
@@ -186,11 +187,7 @@ class KafkaEventLog:
                 # A lost batch would make the routers' view diverge from the workers'.
                 raise EventLogError(f"worker {wid}: Kafka refused {pub.stats.delivery_failures} of its batches")
         try:
-            highs = {
-                p: self._consumer.get_watermark_offsets(TopicPartition(self._topic, p), timeout=self.timeout_s,
-                                                        cached=False)[1]
-                for p in self._partitions
-            }
+            highs = end_offsets(self._consumer, self._topic, self._partitions, self.timeout_s)
         except KafkaException as exc:
             raise EventLogError(f"cannot read the end offsets of {self._topic}: {exc.args[0]}") from None
         deadline = time.monotonic() + self.timeout_s
