@@ -59,12 +59,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     #: Of a section made by :func:`section`: each option dataclass → its keys here.
-    options: ClassVar[dict[type, tuple[str, ...]]] = {}
+    option_keys: ClassVar[dict[type, tuple[str, ...]]] = {}
 
     def to_options(self, cls: type[T], **internal: Any) -> T:
         """The option dataclass ``cls`` this section is derived from, with this section's
         values; ``internal`` sets fields that are no settings (kvstream.options.internal)."""
-        keys = type(self).options.get(cls)
+        keys = type(self).option_keys.get(cls)
         if keys is None:
             raise TypeError(f"{type(self).__name__} is not derived from {cls.__name__}")
         settable = {f.name for f in dataclasses.fields(cls) if is_internal(f)}
@@ -77,7 +77,7 @@ class Section(BaseModel):
         # The dataclasses' own checks (__post_init__) at load time, with the key's section
         # in the message, rather than at first use; one that needs an internal value
         # without a default is checked when code makes it.
-        for cls in type(self).options:
+        for cls in type(self).option_keys:
             if all(f.default is not MISSING or f.default_factory is not MISSING
                    for f in dataclasses.fields(cls) if is_internal(f)):
                 self.to_options(cls)
@@ -104,7 +104,7 @@ def section(name: str, doc: str, *options: type) -> type[Section]:
             fields_[f.name] = (hints[f.name], spec)
         keys[cls] = tuple(f.name for f in own)
     model = create_model(name, __base__=Section, __doc__=doc, __module__=__name__, **fields_)
-    model.options = keys
+    model.option_keys = keys
     return model
 
 

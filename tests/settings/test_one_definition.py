@@ -54,7 +54,7 @@ def test_every_replica_key_reaches_its_option(tmp_path: Path, monkeypatch: pytes
     s = load_settings(path)
     got = {}
     for cls in REPLICA:
-        got |= {k: getattr(s.replica.to_options(cls), k) for k in ReplicaSettings.options[cls]}
+        got |= {k: getattr(s.replica.to_options(cls), k) for k in ReplicaSettings.option_keys[cls]}
     expected = values | {"route_threads": 11}
     assert {k: str(v) if isinstance(v, Path) else v for k, v in got.items()} == expected
     assert http_limits(s).route_threads == 11
