@@ -24,7 +24,7 @@ from kvstream.settings import Settings
 from kvstream.tools.bench import bench
 from kvstream.tools.bench.backend import MODEL, backend_requests, start_backends
 from kvstream.tools.bench.peers import PeerOptions, start_peer
-from kvstream.tools.bench.procs import free_port, port_taken
+from kvstream.tools.procs import free_port, port_taken
 
 pytestmark = [pytest.mark.slow]
 

@@ -31,7 +31,7 @@ from typing import Any, cast
 import click
 import orjson
 
-from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import ManagedProcess, free_port, wait_http
 
 #: The model name the backend serves.
 MODEL = "kvstream-bench"

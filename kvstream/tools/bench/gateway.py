@@ -49,7 +49,7 @@ from kvstream.tools.bench.peers import (
     peers_venv,
     start_peer,
 )
-from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import ManagedProcess, free_port, wait_http
 
 FRONTS = ("direct", "kvstream", "sglang-router", "vllm-router")
 PATH = "/v1/completions"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import click
 
-from kvstream.tools.bench.procs import HOST, ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import HOST, ManagedProcess, free_port, wait_http
 
 SGLANG_ROUTER_VERSION = "0.3.2"
 VLLM_ROUTER_VERSION = "0.1.17"
