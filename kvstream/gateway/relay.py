@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 
-from kvstream.gateway.errors import ApiError, overloaded, upstream_failed
+from kvstream.gateway.errors import ApiError, UpstreamError, UpstreamTimeout, overloaded, upstream_failed
 from kvstream.gateway.lifecycle import RequestLife
 from kvstream.gateway.request_body import Endpoint, OpenAIRequest
 from kvstream.gateway.seams import WorkerEndpoint
+from kvstream.gateway.upstream import Response
 from kvstream.logs import get_logger
 from kvstream.router.errors import NoEligibleWorkerError
 from kvstream.router.index import WorkerKey
@@ -38,8 +38,9 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
     b"te", b"trailer", b"transfer-encoding", b"upgrade",
 })
-#: Also not forwarded: the client's credential, what aiohttp sets itself, and what the
-#: gateway sets (the worker sends plain bytes: the relay reads the first token and usage).
+#: Also not forwarded: the client's credential, the framing (the upstream client sets
+#: ``Host`` and ``Content-Length``), and what the gateway sets (the worker sends plain
+#: bytes: the relay reads the first token and usage).
 _NOT_FORWARDED = HOP_BY_HOP | {
     b"host", b"content-length", b"authorization", b"accept-encoding", b"x-request-id",
     b"expect",  # the body is already here: nothing to wait for
@@ -49,23 +50,25 @@ _NOT_FORWARDED = HOP_BY_HOP | {
 _NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 _SSE = "text/event-stream"
 _DONE = b"[DONE]"
+_JSON = (b"content-type", b"application/json")
 
 
 def upstream_headers(
     client: Sequence[tuple[bytes, bytes]], request_id: str, api_key: str | None, dp_rank: int | None
-) -> list[tuple[str, str]]:
+) -> list[tuple[bytes, bytes]]:
     """The headers sent to the worker for a client's headers; ``dp_rank``: the rank the
     request is routed to, for an engine with several (vLLM and SGLang honour
     ``X-Data-Parallel-Rank``)."""
     named = {v.strip().lower() for k, v in client if k == b"connection" for v in v.split(b",")}
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client if k not in _NOT_FORWARDED and k not in named]
-    out += [("x-request-id", request_id), ("accept-encoding", "identity")]
+    out = [(k, v) for k, v in client if k not in _NOT_FORWARDED and k not in named] if named else \
+        [(k, v) for k, v in client if k not in _NOT_FORWARDED]
+    out += [(b"x-request-id", request_id.encode()), (b"accept-encoding", b"identity")]
     if dp_rank is not None:
-        out.append(("x-data-parallel-rank", str(dp_rank)))
+        out.append((b"x-data-parallel-rank", b"%d" % dp_rank))
     if not any(k == b"content-type" for k, _ in client):
-        out.append(("content-type", "application/json"))
+        out.append(_JSON)
     if api_key:
-        out.append(("authorization", f"Bearer {api_key}"))
+        out.append((b"authorization", b"Bearer " + api_key.encode()))
     return out
 
 
@@ -183,7 +186,7 @@ class Exchange:
         self.usage: dict | None = None
         self.disconnected = False
         self.finished = False
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: Response | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
@@ -263,7 +266,7 @@ class Exchange:
                 continue
             gw.health.succeeded(self.worker)  # type: ignore[arg-type]
             self.response = resp  # closed by _end unless relayed to its end
-            if resp.content_type == _SSE and resp.status == 200:
+            if resp.status == 200 and resp.content_type == _SSE:
                 await self._relay_stream(resp, send)
             else:
                 await self._relay_whole(resp, send)
@@ -277,7 +280,7 @@ class Exchange:
         else:
             raise last.error
 
-    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> aiohttp.ClientResponse:
+    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> Response:
         gw = self.gw
         candidates = [WorkerKey(ep.worker_id, r) for ep in eps for r in range(ep.dp_ranks)]
         try:
@@ -295,23 +298,21 @@ class Exchange:
         rank = decision.worker.dp_rank
         headers = upstream_headers(self.headers, self.request_id, ep.api_key, rank if rank or ep.dp_ranks > 1 else None)
         try:
-            resp = await gw.session.post(
-                ep.url + self.req.endpoint.value, data=self.raw, headers=headers, timeout=gw.upstream_timeout,
-            )
-        except TimeoutError:
+            resp = await gw.upstream.request(ep.url, b"POST", self.req.endpoint.value.encode(), headers, self.raw)
+        except UpstreamTimeout:
             self.outcome = "timeout"
             raise _Upstream("timeout", upstream_failed(504, f"worker {wid} sent nothing within {gw.options.read_timeout_s}s")) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             self.outcome = "connect"
-            raise _Upstream("connect", upstream_failed(502, f"worker {wid} is unreachable: {type(exc).__name__}: {exc}")) from None
+            raise _Upstream("connect", upstream_failed(502, f"worker {wid} is unreachable: {exc}")) from None
         if resp.status >= 500:
             self.outcome = f"status_{resp.status}"
             try:
                 body = await resp.read()
-            except (aiohttp.ClientError, TimeoutError):
+            except UpstreamError:
                 body = b""
             finally:
-                resp.release()
+                resp.close()
             raise _Upstream(
                 "5xx", upstream_failed(502, f"worker {wid} answered {resp.status}"), (resp.status, self._relayed(resp), body)
             )
@@ -319,8 +320,8 @@ class Exchange:
 
     # -- the answer ----------------------------------------------------------------------
 
-    def _relayed(self, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-        return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in _NOT_RELAYED]
+    def _relayed(self, resp: Response) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in resp.headers if k not in _NOT_RELAYED]
 
     async def _start(self, send: Any, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
         self.status = status
@@ -333,15 +334,14 @@ class Exchange:
             headers.append((b"content-length", str(length).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _relay_whole(self, resp: aiohttp.ClientResponse, send: Any) -> None:
+    async def _relay_whole(self, resp: Response, send: Any) -> None:
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             self.outcome = "upstream_broken"
             self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
             self.gw.metrics.upstream_failures.labels(worker=str(self.worker), reason="broken_answer").inc()
             raise upstream_failed(502, f"worker {self.worker}'s answer broke off: {type(exc).__name__}: {exc}") from None
-        resp.release()
         self.response = None
         self.finished = True
         await self._start(send, resp.status, self._relayed(resp), len(body))
@@ -354,14 +354,14 @@ class Exchange:
         else:
             self.outcome = f"worker_{resp.status}"
 
-    async def _relay_stream(self, resp: aiohttp.ClientResponse, send: Any) -> None:
+    async def _relay_stream(self, resp: Response, send: Any) -> None:
         await self._start(send, 200, self._relayed(resp), None)
         itl = self.gw.metrics.of(self.gw.metrics.itl, self.req.model)
         pending: bytes | None = b""  # the events not yet known to hold content (None: found)
         prev = last = b""
         seen = 0.0
         try:
-            async for chunk in resp.content.iter_any():
+            while chunk := await resp.next():
                 now = time.perf_counter()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if pending is not None:
@@ -373,7 +373,7 @@ class Exchange:
                     itl.observe(now - seen)
                 seen = now
                 prev, last = last, chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             self.outcome = "upstream_broken"
             self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
             self.gw.metrics.upstream_failures.labels(worker=str(self.worker), reason="broken_stream").inc()
@@ -381,7 +381,6 @@ class Exchange:
             await send({"type": "http.response.body", "body": b"data: " + orjson.dumps({"error": error.fields()}) + b"\n\n",
                         "more_body": True})
         else:
-            resp.release()
             self.response = None
         self.usage = stream_usage(prev + last)
         self.finished = True
