@@ -6,7 +6,7 @@ replaces it). A connect error, a timeout or a 5xx before the worker's first byte
 the request to the next-best *different* worker (``retries`` at most); after the first
 byte a failure ends the stream with an SSE error event. A stream is relayed chunk by
 chunk as it arrives; only the chunks up to the first content token are parsed (for
-``prefill_done``) and the last two kept (for the final ``usage``). A client that
+``prefill_done``) and the last 64 KiB kept (for the final ``usage``). A client that
 disconnects cancels the upstream request (its connection is closed) and frees the load.
 """
 
@@ -51,6 +51,8 @@ _NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-
 _SSE = "text/event-stream"
 _DONE = b"[DONE]"
 _JSON = (b"content-type", b"application/json")
+#: Bytes of a stream's end kept for its ``usage`` (the last event before ``[DONE]``).
+_TAIL = 64 * 1024
 
 
 def upstream_headers(
@@ -117,7 +119,8 @@ def _content_in(data: bytes) -> bytes | None:
 
 
 def stream_usage(tail: bytes) -> dict | None:
-    """The ``usage`` of a stream's last chunks (``stream_options.include_usage``)."""
+    """The ``usage`` of a stream's last bytes (``stream_options.include_usage``); the
+    first event of ``tail`` may be cut (it is skipped)."""
     if b'"usage"' not in tail:
         return None
     for event in reversed(_events(tail)):
@@ -358,12 +361,17 @@ class Exchange:
         await self._start(send, 200, self._relayed(resp), None)
         itl = self.gw.metrics.of(self.gw.metrics.itl, self.req.model)
         pending: bytes | None = b""  # the events not yet known to hold content (None: found)
-        prev = last = b""
+        tail = b""  # the stream's last bytes, for its usage
         seen = 0.0
         try:
             while chunk := await resp.next():
                 now = time.perf_counter()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+                if ended := resp.ended:  # the worker's last bytes end the client's answer in the same write
+                    self.response = None
+                    self.usage = stream_usage(tail)
+                    self.finished = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if pending is not None:
                     pending = _content_in(pending + chunk)
                     if pending is None:
@@ -371,8 +379,9 @@ class Exchange:
                         await self.life.prefill_done()  # after the chunk left: it costs the client nothing
                 else:
                     itl.observe(now - seen)
+                if ended:
+                    return
                 seen = now
-                prev, last = last, chunk
         except UpstreamError as exc:
             self.outcome = "upstream_broken"
             self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
@@ -382,6 +391,6 @@ class Exchange:
                         "more_body": True})
         else:
             self.response = None
-        self.usage = stream_usage(prev + last)
+        self.usage = stream_usage(tail)
         self.finished = True
         await send({"type": "http.response.body", "body": b""})

@@ -117,6 +117,11 @@ class Response:
                 return value.split(b";", 1)[0].strip().lower().decode("latin-1")
         return ""
 
+    @property
+    def ended(self) -> bool:
+        """Whether the body is whole and every byte of it has been read."""
+        return self.complete and not self._parts
+
     async def head(self) -> None:
         while not self.head_done:
             await self._wait()
