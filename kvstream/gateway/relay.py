@@ -51,6 +51,10 @@ _NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-
 _SSE = "text/event-stream"
 _DONE = b"[DONE]"
 _JSON = (b"content-type", b"application/json")
+#: A request still running after this long (s) starts watching for its client's
+#: disconnect: a task per request costs more than relaying a short one, and a client
+#: that left sooner is seen then.
+_WATCH_AFTER_S = 0.02
 #: Bytes of a stream's end kept for its ``usage`` (the last event before ``[DONE]``).
 _TAIL = 64 * 1024
 
@@ -204,7 +208,9 @@ class Exchange:
                 self.disconnected = True
                 task.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        loop = asyncio.get_running_loop()
+        watching: list[asyncio.Task] = []
+        start_watching = loop.call_later(_WATCH_AFTER_S, lambda: watching.append(loop.create_task(watch())))
         try:
             try:
                 await self._run(send)
@@ -221,7 +227,9 @@ class Exchange:
             self.outcome, self.status = "client_disconnected", 499  # nginx's code for it
         finally:
             self.finished = True
-            watcher.cancel()
+            start_watching.cancel()
+            for watcher in watching:
+                watcher.cancel()
             await self._end()
 
     async def _end(self) -> None:
