@@ -38,7 +38,6 @@ from kvstream.gateway.errors import UpstreamBroken, UpstreamConnectError, Upstre
 MAX_HEAD_BYTES = 64 * 1024
 #: Unread body bytes held for a slow reader before the worker's socket stops being read.
 _HIGH_WATER = 1 << 20
-_LOW_WATER = _HIGH_WATER // 4
 #: Origins remembered (parsed base URLs); more are parsed again.
 _MAX_ORIGINS = 4096
 
@@ -140,9 +139,9 @@ class Response:
                 return b""
             await self._wait()
         parts, self._parts = self._parts, []
-        if self._size > _LOW_WATER and self._conn is not None:
-            self._conn.resume()
         self._size = 0
+        if self._conn is not None:
+            self._conn.resume()  # when paused for this reader
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
@@ -390,20 +389,20 @@ class UpstreamPool:
         length = len(body) if body or method != b"GET" else None
         head = request_head(method, origin.prefix + path, origin.authority, headers, length)
         timeout = self.read_timeout_s if read_timeout_s is None else read_timeout_s
-        for fresh in (False, True):
-            conn, reused = await self._acquire(origin, fresh)
+        conn, reused = await self._acquire(origin, fresh=False)
+        while True:
             resp = conn.send(head, body, timeout)
             try:
                 await resp.head()
             except UpstreamBroken:
-                if reused and not resp.got_bytes:
-                    continue  # closed by the worker while idle: not read, safe to send again
+                if reused and not resp.got_bytes:  # closed by the worker while idle: not read, safe to send again
+                    conn, reused = await self._acquire(origin, fresh=True)
+                    continue
                 raise
             except BaseException:
                 resp.close()  # cancelled while waiting: the worker sees its client leave
                 raise
             return resp
-        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self._closed = True

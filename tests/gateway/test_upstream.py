@@ -407,3 +407,35 @@ def test_close_before_the_end_closes_the_connection() -> None:
             p.close()
 
     asyncio.run(main())
+
+
+def test_a_slow_reader_stops_the_reading_and_gets_every_byte() -> None:
+    chunk = bytes(range(256)) * 256  # 64 KiB
+    count = 64  # 4 MiB in all: more than the client holds for a reader
+
+    async def script(reader, writer, n) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(count):
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with scripted(script) as (url, _):
+            p = pool(read_timeout_s=0.2)  # a paused read is no silence of the worker's
+            r = await p.request(url, b"GET", b"/", ())
+            await asyncio.sleep(0.5)
+            assert r._conn is not None and r._conn._paused
+            held = r._size
+            assert held < 2 * 1024 * 1024
+            got = []
+            while piece := await r.next():
+                got.append(piece)
+                await asyncio.sleep(0.01)
+            assert b"".join(got) == chunk * count
+            p.close()
+
+    asyncio.run(main())
