@@ -12,7 +12,12 @@ import anyio
 import msgspec
 import orjson
 
-from kvstream.gateway.errors import ApiError, UpstreamError, bad_request, upstream_failed
+from kvstream.gateway.errors import (
+    ApiError,
+    UpstreamError,
+    bad_request,
+    upstream_failed,
+)
 from kvstream.gateway.options import GatewayOptions
 from kvstream.gateway.request_body import TOKEN_END, Endpoint, OpenAIRequest
 from kvstream.gateway.seams import PromptTokenizer, WorkerEndpoint

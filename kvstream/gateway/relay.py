@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from kvstream.gateway.errors import ApiError, UpstreamError, UpstreamTimeout, overloaded, upstream_failed
+from kvstream.gateway.errors import (
+    ApiError,
+    UpstreamError,
+    UpstreamTimeout,
+    overloaded,
+    upstream_failed,
+)
 from kvstream.gateway.lifecycle import RequestLife
 from kvstream.gateway.request_body import Endpoint, OpenAIRequest
 from kvstream.gateway.seams import WorkerEndpoint

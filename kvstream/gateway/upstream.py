@@ -32,7 +32,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from kvstream.gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from kvstream.gateway.errors import (
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 #: Largest response head accepted (status line and headers).
 MAX_HEAD_BYTES = 64 * 1024
@@ -524,5 +529,3 @@ class UpstreamPool:
         if any(self._idle.values()):
             self._sweeper = loop.call_later(self.keepalive_s, self._sweep)
 
-
-__all__ = ["MAX_HEAD_BYTES", "Origin", "Response", "UpstreamError", "UpstreamPool", "request_head"]

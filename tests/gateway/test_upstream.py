@@ -16,7 +16,11 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from kvstream.gateway.errors import UpstreamBroken, UpstreamConnectError, UpstreamTimeout
+from kvstream.gateway.errors import (
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamTimeout,
+)
 from kvstream.gateway.upstream import MAX_HEAD_BYTES, UpstreamPool
 from tests.gateway.backends import closed_port
 
