@@ -4,17 +4,20 @@ Protocols, responses parsed by ``httptools`` (llhttp, as uvicorn parses requests
 What the relay needs and no more: a request written as one buffer (head and body, in one
 system call), the answer's status and headers as soon as they are whole, then its body
 as it arrives, dechunked but otherwise the worker's bytes, each read handed over as one
-piece (no per-event objects, no decoding). A stream is relayed without copies beyond
-that; aiohttp's client cost as much as the rest of a relayed request.
+piece (no per-event objects, no decoding). aiohttp's client, used before, cost four to
+six times as much CPU per request (docs/BENCHMARKS.md, the gateway section).
 
 Connections are kept per origin and reused most recent first (a warm one); one the worker
 closed while idle leaves the pool when its close is seen. The close can also cross a new
 request on the wire: an answer that never began on a reused connection (not a byte
-came back) is sent once more on a new connection, which is safe because the worker
-closed the old one without reading the request (HTTP/1.1 §9.6: it closes between
-messages). Bodies are framed by ``Content-Length``, ``chunked``, or the connection's end
-(HTTP/1.0 style); a response head over ``max_head_bytes`` or bytes that are not HTTP
-end the connection with :class:`~kvstream.gateway.errors.UpstreamBroken`.
+came back) is sent once more, on a new connection. The worker closed an idle connection
+as the request arrived, far likelier than a crash in between; and a request that fails
+before its first byte is sent again anyway (to another worker, by the relay): this
+keeps a keep-alive race from counting against the worker's breaker.
+
+Bodies are framed by ``Content-Length``, ``chunked``, or the connection's end (HTTP/1.0
+style); a response head over ``MAX_HEAD_BYTES`` or bytes that are not HTTP end the
+connection with :class:`~kvstream.gateway.errors.UpstreamBroken`.
 
 Timeouts: ``connect_timeout_s`` to get a connection (the wait for a free one under the
 ``limit`` included); ``read_timeout_s`` without a byte from the worker while an answer is
