@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 import anyio
 import orjson
 from starlette.applications import Starlette
@@ -42,6 +41,7 @@ from kvstream.gateway.prompts import PromptIds
 from kvstream.gateway.relay import Exchange
 from kvstream.gateway.request_body import Endpoint, parse
 from kvstream.gateway.seams import PromptTokenizer, WorkerDirectory, WorkerEndpoint
+from kvstream.gateway.upstream import UpstreamPool
 from kvstream.logs import get_logger
 from kvstream.replica import request_ids
 from kvstream.replica.auth import Scope, Tokens
@@ -71,12 +71,11 @@ class Gateway:
         self.metrics = GatewayMetrics(replica.metrics.registry)
         self.health = WorkerHealth(o, self.metrics)
         self.prompts = PromptIds(tokenizers or {}, o)
-        self.upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s, sock_read=o.read_timeout_s)
         self.inflight = 0
         #: Requests waiting for a slot (queue_timeout_s), first in line first.
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._per_worker: dict[int, int] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._created = int(time.time())
         self._serving_of: Sequence[WorkerEndpoint] | None = None
@@ -88,28 +87,24 @@ class Gateway:
     async def running(self) -> AsyncIterator[None]:
         """The upstream connection pool and the health probes, for the server's life."""
         o = self.options
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=o.upstream_connections, keepalive_timeout=60),
-            # The relay passes bytes through: nothing decoded, no header of aiohttp's own.
-            auto_decompress=False, skip_auto_headers=("User-Agent",),
-        )
+        self._upstream = UpstreamPool(o.connect_timeout_s, o.read_timeout_s, o.upstream_connections)
         self._limiter = anyio.CapacityLimiter(ROUTE_THREADS)
         probes = asyncio.get_running_loop().create_task(
-            probe_loop(self.directory, self.health, self._session, o)
+            probe_loop(self.directory, self.health, self._upstream, o)
         ) if o.health_interval_s > 0 else None
         try:
             yield
         finally:
             if probes is not None:
                 probes.cancel()
-            await self._session.close()
-            self._session = None
+            self._upstream.close()
+            self._upstream = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def upstream(self) -> UpstreamPool:
+        if self._upstream is None:
             raise RuntimeError("the gateway is not running (serve its app with its lifespan)")
-        return self._session
+        return self._upstream
 
     @property
     def limiter(self) -> anyio.CapacityLimiter:
@@ -199,7 +194,7 @@ class Gateway:
                 # The least loaded first (the one asked, when engines tokenize); the
                 # others in case it cannot answer.
                 by_load = sorted(up, key=lambda ep: self._per_worker.get(ep.worker_id, 0))
-                ids = await self.prompts.ids(req, len(raw), by_load, self.session)
+                ids = await self.prompts.ids(req, len(raw), by_load, self.upstream)
                 if len(ids) > self.options.max_prompt_tokens:
                     raise bad_request(
                         f"the prompt has {len(ids)} tokens, more than the {self.options.max_prompt_tokens} accepted",

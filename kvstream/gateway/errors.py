@@ -33,6 +33,25 @@ class OptionsError(GatewayError, ValueError):
     """Gateway options or static workers that cannot be used; the message says why."""
 
 
+class UpstreamError(GatewayError):
+    """A worker that could not be asked or did not answer in full (kvstream.gateway.upstream);
+    the message says what happened."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection to the worker (refused, unreachable, TLS failed, or none within the
+    connect timeout): the request never left."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The worker sent nothing for the read timeout."""
+
+
+class UpstreamBroken(UpstreamError):
+    """The worker's connection closed, or it sent what is not HTTP/1.1, before its answer
+    was whole."""
+
+
 class ApiError(GatewayError):
     """A request the gateway answers with an error: status, OpenAI error fields, and
     the headers that go with it (``Retry-After``)."""

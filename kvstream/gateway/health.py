@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
-import aiohttp
-
+from kvstream.gateway.errors import UpstreamError
 from kvstream.gateway.metrics import GatewayMetrics
 from kvstream.gateway.options import GatewayOptions
 from kvstream.gateway.seams import WorkerDirectory
+from kvstream.gateway.upstream import UpstreamPool
 from kvstream.logs import get_logger
 
 log = get_logger(__name__)
@@ -122,19 +122,25 @@ class WorkerHealth:
 
 
 async def probe_loop(
-    directory: WorkerDirectory, health: WorkerHealth, session: aiohttp.ClientSession, options: GatewayOptions
+    directory: WorkerDirectory, health: WorkerHealth, upstream: UpstreamPool, options: GatewayOptions
 ) -> None:
     """Ask every registered engine's ``/health`` each ``health_interval_s``, all at once
     (a slow one delays no other), until cancelled."""
-    timeout = aiohttp.ClientTimeout(total=options.health_timeout_s)
 
     async def probe(worker_id: int, url: str) -> None:
+        resp = None
         try:
-            async with session.get(f"{url}/health", timeout=timeout) as resp:
+            async with asyncio.timeout(options.health_timeout_s):
+                resp = await upstream.request(url, b"GET", b"/health", (), read_timeout_s=options.health_timeout_s)
                 await resp.read()
-                health.probed(worker_id, resp.status == 200, f"/health answered {resp.status}")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            health.probed(worker_id, resp.status == 200, f"/health answered {resp.status}")
+        except TimeoutError:
+            health.probed(worker_id, False, f"/health failed: no answer within {options.health_timeout_s:g}s")
+        except UpstreamError as exc:
             health.probed(worker_id, False, f"/health failed: {type(exc).__name__}: {exc}")
+        finally:
+            if resp is not None:
+                resp.close()
 
     while True:
         try:

@@ -8,20 +8,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-import aiohttp
 import anyio
 import msgspec
 import orjson
 
-from kvstream.gateway.errors import ApiError, bad_request, upstream_failed
+from kvstream.gateway.errors import (
+    ApiError,
+    UpstreamError,
+    bad_request,
+    upstream_failed,
+)
 from kvstream.gateway.options import GatewayOptions
 from kvstream.gateway.request_body import TOKEN_END, Endpoint, OpenAIRequest
 from kvstream.gateway.seams import PromptTokenizer, WorkerEndpoint
+from kvstream.gateway.upstream import UpstreamPool
 
 #: Fields of a chat body that change its rendering (vLLM's TokenizeChatRequest takes them).
 _CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
                 "chat_template", "chat_template_kwargs", "add_special_tokens")
-
+_JSON = (b"content-type", b"application/json")
 
 
 class _Tokenized(msgspec.Struct):
@@ -58,7 +63,7 @@ class PromptIds:
         return first if type(first) is list else prompt if type(first) is int else None
 
     async def ids(
-        self, req: OpenAIRequest, size: int, endpoints: Sequence[WorkerEndpoint], session: aiohttp.ClientSession
+        self, req: OpenAIRequest, size: int, endpoints: Sequence[WorkerEndpoint], upstream: UpstreamPool
     ) -> list[int]:
         """The request's token ids (``size``: the body's bytes, how long tokenizing may take)."""
         given = self.given(req)
@@ -70,7 +75,7 @@ class PromptIds:
             failure: ApiError | None = None
             for ep in endpoints[: 1 + self.options.retries]:
                 try:
-                    return await self._engine_ids(req, ep, session)
+                    return await self._engine_ids(req, ep, upstream)
                 except _EngineDown as exc:
                     failure = exc.error
             assert failure is not None
@@ -101,27 +106,27 @@ class PromptIds:
                     return self.tokenizers.get(ep.models[0])
         return found
 
-    async def _engine_ids(self, req: OpenAIRequest, ep: WorkerEndpoint, session: aiohttp.ClientSession) -> list[int]:
+    async def _engine_ids(self, req: OpenAIRequest, ep: WorkerEndpoint, upstream: UpstreamPool) -> list[int]:
         body: dict[str, Any] = {"model": req.model}
         if req.endpoint is Endpoint.CHAT:
             body |= {k: req.body[k] for k in _CHAT_FIELDS if k in req.body}
         else:
             prompt = req.body["prompt"]
             body["prompt"] = prompt if isinstance(prompt, str) else prompt[0]
-        headers = {"content-type": "application/json"}
-        if ep.api_key:
-            headers["authorization"] = f"Bearer {ep.api_key}"
-        o = self.options
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=o.connect_timeout_s, sock_read=o.read_timeout_s)
+        headers = [_JSON, (b"authorization", b"Bearer " + ep.api_key.encode())] if ep.api_key else [_JSON]
+        resp = None
         try:
-            async with session.post(f"{ep.url}/tokenize", data=orjson.dumps(body), headers=headers, timeout=timeout) as resp:
-                answer = await resp.read()
-                if resp.status >= 500:
-                    raise _EngineDown(upstream_failed(502, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}"))
-                if resp.status != 200:  # the engine refuses this prompt: no other would take it
-                    raise upstream_failed(resp.status, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            resp = await upstream.request(ep.url, b"POST", b"/tokenize", headers, orjson.dumps(body))
+            answer = await resp.read()
+        except UpstreamError as exc:
             raise _EngineDown(upstream_failed(502, f"worker {ep.worker_id}'s /tokenize failed: {type(exc).__name__}: {exc}")) from None
+        finally:
+            if resp is not None:
+                resp.close()
+        if resp.status >= 500:
+            raise _EngineDown(upstream_failed(502, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}"))
+        if resp.status != 200:  # the engine refuses this prompt: no other would take it
+            raise upstream_failed(resp.status, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}")
         try:
             return _TOKENIZED.decode(answer).tokens
         except msgspec.DecodeError:  # not JSON, or no token ids under "tokens"

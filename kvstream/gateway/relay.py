@@ -6,7 +6,7 @@ replaces it). A connect error, a timeout or a 5xx before the worker's first byte
 the request to the next-best *different* worker (``retries`` at most); after the first
 byte a failure ends the stream with an SSE error event. A stream is relayed chunk by
 chunk as it arrives; only the chunks up to the first content token are parsed (for
-``prefill_done``) and the last two kept (for the final ``usage``). A client that
+``prefill_done``) and the last 64 KiB kept (for the final ``usage``). A client that
 disconnects cancels the upstream request (its connection is closed) and frees the load.
 """
 
@@ -17,13 +17,19 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 
-from kvstream.gateway.errors import ApiError, overloaded, upstream_failed
+from kvstream.gateway.errors import (
+    ApiError,
+    UpstreamError,
+    UpstreamTimeout,
+    overloaded,
+    upstream_failed,
+)
 from kvstream.gateway.lifecycle import RequestLife
 from kvstream.gateway.request_body import Endpoint, OpenAIRequest
 from kvstream.gateway.seams import WorkerEndpoint
+from kvstream.gateway.upstream import Response
 from kvstream.logs import get_logger
 from kvstream.router.errors import NoEligibleWorkerError
 from kvstream.router.index import WorkerKey
@@ -38,8 +44,9 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
     b"te", b"trailer", b"transfer-encoding", b"upgrade",
 })
-#: Also not forwarded: the client's credential, what aiohttp sets itself, and what the
-#: gateway sets (the worker sends plain bytes: the relay reads the first token and usage).
+#: Also not forwarded: the client's credential, the framing (the upstream client sets
+#: ``Host`` and ``Content-Length``), and what the gateway sets (the worker sends plain
+#: bytes: the relay reads the first token and usage).
 _NOT_FORWARDED = HOP_BY_HOP | {
     b"host", b"content-length", b"authorization", b"accept-encoding", b"x-request-id",
     b"expect",  # the body is already here: nothing to wait for
@@ -49,23 +56,31 @@ _NOT_FORWARDED = HOP_BY_HOP | {
 _NOT_RELAYED = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 _SSE = "text/event-stream"
 _DONE = b"[DONE]"
+_JSON = (b"content-type", b"application/json")
+#: A request still running after this long (s) starts watching for its client's
+#: disconnect: a task per request costs more than relaying a short one, and a client
+#: that left sooner is seen then.
+_WATCH_AFTER_S = 0.02
+#: Bytes of a stream's end kept for its ``usage`` (the last event before ``[DONE]``).
+_TAIL = 64 * 1024
 
 
 def upstream_headers(
     client: Sequence[tuple[bytes, bytes]], request_id: str, api_key: str | None, dp_rank: int | None
-) -> list[tuple[str, str]]:
+) -> list[tuple[bytes, bytes]]:
     """The headers sent to the worker for a client's headers; ``dp_rank``: the rank the
     request is routed to, for an engine with several (vLLM and SGLang honour
     ``X-Data-Parallel-Rank``)."""
     named = {v.strip().lower() for k, v in client if k == b"connection" for v in v.split(b",")}
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client if k not in _NOT_FORWARDED and k not in named]
-    out += [("x-request-id", request_id), ("accept-encoding", "identity")]
+    out = [(k, v) for k, v in client if k not in _NOT_FORWARDED and k not in named] if named else \
+        [(k, v) for k, v in client if k not in _NOT_FORWARDED]
+    out += [(b"x-request-id", request_id.encode()), (b"accept-encoding", b"identity")]
     if dp_rank is not None:
-        out.append(("x-data-parallel-rank", str(dp_rank)))
+        out.append((b"x-data-parallel-rank", b"%d" % dp_rank))
     if not any(k == b"content-type" for k, _ in client):
-        out.append(("content-type", "application/json"))
+        out.append(_JSON)
     if api_key:
-        out.append(("authorization", f"Bearer {api_key}"))
+        out.append((b"authorization", b"Bearer " + api_key.encode()))
     return out
 
 
@@ -114,7 +129,8 @@ def _content_in(data: bytes) -> bytes | None:
 
 
 def stream_usage(tail: bytes) -> dict | None:
-    """The ``usage`` of a stream's last chunks (``stream_options.include_usage``)."""
+    """The ``usage`` of a stream's last bytes (``stream_options.include_usage``); the
+    first event of ``tail`` may be cut (it is skipped)."""
     if b'"usage"' not in tail:
         return None
     for event in reversed(_events(tail)):
@@ -183,7 +199,7 @@ class Exchange:
         self.usage: dict | None = None
         self.disconnected = False
         self.finished = False
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: Response | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
@@ -198,7 +214,9 @@ class Exchange:
                 self.disconnected = True
                 task.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        loop = asyncio.get_running_loop()
+        watching: list[asyncio.Task] = []
+        start_watching = loop.call_later(_WATCH_AFTER_S, lambda: watching.append(loop.create_task(watch())))
         try:
             try:
                 await self._run(send)
@@ -215,7 +233,9 @@ class Exchange:
             self.outcome, self.status = "client_disconnected", 499  # nginx's code for it
         finally:
             self.finished = True
-            watcher.cancel()
+            start_watching.cancel()
+            for watcher in watching:
+                watcher.cancel()
             await self._end()
 
     async def _end(self) -> None:
@@ -263,7 +283,7 @@ class Exchange:
                 continue
             gw.health.succeeded(self.worker)  # type: ignore[arg-type]
             self.response = resp  # closed by _end unless relayed to its end
-            if resp.content_type == _SSE and resp.status == 200:
+            if resp.status == 200 and resp.content_type == _SSE:
                 await self._relay_stream(resp, send)
             else:
                 await self._relay_whole(resp, send)
@@ -277,7 +297,7 @@ class Exchange:
         else:
             raise last.error
 
-    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> aiohttp.ClientResponse:
+    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> Response:
         gw = self.gw
         candidates = [WorkerKey(ep.worker_id, r) for ep in eps for r in range(ep.dp_ranks)]
         try:
@@ -295,23 +315,21 @@ class Exchange:
         rank = decision.worker.dp_rank
         headers = upstream_headers(self.headers, self.request_id, ep.api_key, rank if rank or ep.dp_ranks > 1 else None)
         try:
-            resp = await gw.session.post(
-                ep.url + self.req.endpoint.value, data=self.raw, headers=headers, timeout=gw.upstream_timeout,
-            )
-        except TimeoutError:
+            resp = await gw.upstream.request(ep.url, b"POST", self.req.endpoint.value.encode(), headers, self.raw)
+        except UpstreamTimeout:
             self.outcome = "timeout"
             raise _Upstream("timeout", upstream_failed(504, f"worker {wid} sent nothing within {gw.options.read_timeout_s}s")) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             self.outcome = "connect"
-            raise _Upstream("connect", upstream_failed(502, f"worker {wid} is unreachable: {type(exc).__name__}: {exc}")) from None
+            raise _Upstream("connect", upstream_failed(502, f"worker {wid} is unreachable: {exc}")) from None
         if resp.status >= 500:
             self.outcome = f"status_{resp.status}"
             try:
                 body = await resp.read()
-            except (aiohttp.ClientError, TimeoutError):
+            except UpstreamError:
                 body = b""
             finally:
-                resp.release()
+                resp.close()
             raise _Upstream(
                 "5xx", upstream_failed(502, f"worker {wid} answered {resp.status}"), (resp.status, self._relayed(resp), body)
             )
@@ -319,8 +337,8 @@ class Exchange:
 
     # -- the answer ----------------------------------------------------------------------
 
-    def _relayed(self, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-        return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in _NOT_RELAYED]
+    def _relayed(self, resp: Response) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in resp.headers if k not in _NOT_RELAYED]
 
     async def _start(self, send: Any, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
         self.status = status
@@ -333,15 +351,14 @@ class Exchange:
             headers.append((b"content-length", str(length).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _relay_whole(self, resp: aiohttp.ClientResponse, send: Any) -> None:
+    async def _relay_whole(self, resp: Response, send: Any) -> None:
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             self.outcome = "upstream_broken"
             self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
             self.gw.metrics.upstream_failures.labels(worker=str(self.worker), reason="broken_answer").inc()
             raise upstream_failed(502, f"worker {self.worker}'s answer broke off: {type(exc).__name__}: {exc}") from None
-        resp.release()
         self.response = None
         self.finished = True
         await self._start(send, resp.status, self._relayed(resp), len(body))
@@ -354,16 +371,21 @@ class Exchange:
         else:
             self.outcome = f"worker_{resp.status}"
 
-    async def _relay_stream(self, resp: aiohttp.ClientResponse, send: Any) -> None:
+    async def _relay_stream(self, resp: Response, send: Any) -> None:
         await self._start(send, 200, self._relayed(resp), None)
         itl = self.gw.metrics.of(self.gw.metrics.itl, self.req.model)
         pending: bytes | None = b""  # the events not yet known to hold content (None: found)
-        prev = last = b""
+        tail = b""  # the stream's last bytes, for its usage
         seen = 0.0
         try:
-            async for chunk in resp.content.iter_any():
+            while chunk := await resp.next():
                 now = time.perf_counter()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+                if ended := resp.ended:  # the worker's last bytes end the client's answer in the same write
+                    self.response = None
+                    self.usage = stream_usage(tail)
+                    self.finished = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if pending is not None:
                     pending = _content_in(pending + chunk)
                     if pending is None:
@@ -371,9 +393,10 @@ class Exchange:
                         await self.life.prefill_done()  # after the chunk left: it costs the client nothing
                 else:
                     itl.observe(now - seen)
+                if ended:
+                    return
                 seen = now
-                prev, last = last, chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             self.outcome = "upstream_broken"
             self.gw.health.failed(self.worker, str(exc))  # type: ignore[arg-type]
             self.gw.metrics.upstream_failures.labels(worker=str(self.worker), reason="broken_stream").inc()
@@ -381,8 +404,7 @@ class Exchange:
             await send({"type": "http.response.body", "body": b"data: " + orjson.dumps({"error": error.fields()}) + b"\n\n",
                         "more_body": True})
         else:
-            resp.release()
             self.response = None
-        self.usage = stream_usage(prev + last)
+        self.usage = stream_usage(tail)
         self.finished = True
         await send({"type": "http.response.body", "body": b""})
