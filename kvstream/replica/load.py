@@ -95,6 +95,8 @@ class LoadSharing:
             consumer.close()
 
     def _apply_peer_op(self, value: bytes | None, headers: list | None = None, timestamp_ms: int = 0) -> None:
+        if headers and (INSTANCE_HEADER, self._instance_tag) in headers:
+            return  # this process's own op, applied when made (each op it shares comes back): no decoding
         try:
             if value is None:
                 raise DecodeError("active op record has no value")
