@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from kvstream.events.model import Removed, Stored, Tier
 from kvstream.hashing import local_hashes
 from kvstream.router import Router, RouterConfig, SchedulerConfig, SchedulerOverrides, WorkerKey
-from kvstream.router.core import CoreActiveSequences
 from kvstream.router.errors import NoEligibleWorkerError, RouterError
 from kvstream.router.router import RouteDecision
 
@@ -107,7 +106,6 @@ def test_core_decides_as_the_reference(seed: int) -> None:
     clock = Clock()
     ref = Router(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0, compiled=False), clock=clock, rng=random.Random(seed))
     core = Router(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0), clock=clock, rng=random.Random(seed))
-    assert isinstance(core.active, CoreActiveSequences)
     for ev in fleet_events(rng, convs):
         assert ref.apply_event(ev) == core.apply_event(ev)  # type: ignore[arg-type]
     active: list[str] = []
@@ -134,8 +132,8 @@ def test_core_decides_as_the_reference(seed: int) -> None:
                 if isinstance(exc, NoEligibleWorkerError):
                     # The core draws its uniform before knowing none is eligible; the
                     # reference draws none: realign the streams.
-                    ref.scheduler.rng.seed(step)
-                    core.scheduler.rng.seed(step)
+                    ref.reseed(step)
+                    core.reseed(step)
                 continue
             got = core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
             same_decision(want, got)
@@ -152,15 +150,13 @@ def test_core_decides_as_the_reference(seed: int) -> None:
             clock.now += rng.choice([1.0, 20.0, 60.0])
         elif rng.random() < 0.3:
             w = rng.randrange(6)
-            if ref.index.knows(w):
+            if ref.knows(w):
                 assert ref.remove_worker(w) == core.remove_worker(w)
-        assert len(ref.active) == len(core.active)
+        assert ref.active_requests() == core.active_requests()
         for key in {*ref.workers(), *given}:
-            assert ref.active.load(key) == core.active.load(key)
+            assert ref.load(key) == core.load(key)
         # The ttft policy's learned rates are folded from the same ops.
-        rates = ref.active.rates
-        assert {k: rates.rate(k) for k in rates.keys()} == {k: core.active.rates.rate(k) for k in core.active.rates.keys()}
-        assert ref.active.rates.decode_slowdown() == core.active.rates.decode_slowdown()
+        assert ref.learned_rates() == core.learned_rates()
 
 
 def test_buffer_bytes_and_list_prompts_decide_alike() -> None:
@@ -179,7 +175,7 @@ def test_buffer_bytes_and_list_prompts_decide_alike() -> None:
     ]
     decisions = []
     for form in forms:
-        r.scheduler.rng.seed(3)
+        r.reseed(3)
         decisions.append(r.find_best_match(form))
     for d in decisions[1:]:
         same_decision(decisions[0], d)
@@ -200,7 +196,7 @@ def test_bad_prompts_are_rejected_with_the_reason(tokens: object, reason: str) -
     r.apply_event(Stored(1, 0, Tier.DEVICE, 0, 0, None, (1,), tuple(local_hashes([0, 0, 0, 0], BS))))
     with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
         r.find_best_match(tokens, request_id="x")  # type: ignore[arg-type]
-    assert "x" not in r.active and len(r.active) == 0  # nothing applied
+    assert not r.is_active("x") and r.active_requests() == 0  # nothing applied
 
 
 def test_prompt_over_the_token_cap_is_rejected() -> None:
@@ -208,4 +204,4 @@ def test_prompt_over_the_token_cap_is_rejected() -> None:
     r.apply_event(Stored(1, 0, Tier.DEVICE, 0, 0, None, (1,), tuple(local_hashes([0, 0, 0, 0], BS))))
     with pytest.raises(ValueError, match="exceeds the limit of 8"):
         r._decide_in_core(bytes(4 * 9), None, "x", True, None, max_tokens=8)
-    assert len(r.active) == 0
+    assert r.active_requests() == 0

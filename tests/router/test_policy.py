@@ -145,16 +145,16 @@ def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
     from disk, which dedup reports as device hits) learn different rates; priced at
     their own, a long uncached prompt goes to the one that looks faster although 20k
     tokens are queued there, priced at the fleet's it goes to the idle one."""
-    router = Router(RouterConfig(block_size=512), clock=lambda: 0.0, rng=random.Random(0))
+    learned = PrefillRates()
     for _ in range(50):
-        router.active.rates.observe(A, 20_000, 1.0)
-        router.active.rates.observe(B, 20_000, 1.5)
+        learned.observe(A, 20_000, 1.0)
+        learned.observe(B, 20_000, 1.5)
     a = Candidate(A, TierOverlap(), True, 20_000, 10, 1, 196)
     b = Candidate(B, TierOverlap(), False, 0, 0, 0, 196)
     base = Candidates.from_rows([a, b])
     isl = 100_000
     for scope, chosen in (("worker", 0), ("fleet", 1)):
-        rates = router.active.rates.rates_for(base.workers, 20_000.0, scope)
+        rates = learned.rates_for(base.workers, 20_000.0, scope)
         cands = Candidates(base.workers, base.overlaps, base.loads, rates)
         cfg = SchedulerConfig(policy="ttft", ttft_rate_scope=scope)
         assert Scheduler(cfg, random.Random(0)).schedule(isl, 512, cands).chosen == chosen, scope
@@ -259,7 +259,7 @@ def test_policy_config_and_per_request_override() -> None:
     assert (kv.worker.worker_id, ttft.worker.worker_id) == (2, 1)
     assert ttft.schedule.config.policy == "ttft" and kv.schedule.config.policy == "kv"
     # The router learned w1's rate from its first request: 4000 tokens in 0.2 s.
-    assert router.active.rates.rate(WorkerKey(1, 0)) == pytest.approx(20_000)
+    assert router.learned_rates().per_worker[WorkerKey(1, 0)] == pytest.approx(20_000)
     # And a router configured for ttft uses it without any override.
     cfg_router = Router(RouterConfig(block_size=4, scheduler=TTFT), clock=lambda: now[0], rng=random.Random(0))
     assert cfg_router.config.scheduler.policy == "ttft"

@@ -109,7 +109,7 @@ def test_requests_load_workers_until_freed() -> None:
         r.free("r1")
     # A peer's op, applied as it comes from kvstream.active.
     r.apply_active(AddRequest("peer", 1, 0, 128, 0, d.op.sequence_hashes, 5000.0))
-    assert r.active.load(WorkerKey(1, 0)) is not None
+    assert r.load(WorkerKey(1, 0)) is not None
 
 
 def test_query_only_and_anonymous_requests_leave_no_load() -> None:
@@ -117,7 +117,7 @@ def test_query_only_and_anonymous_requests_leave_no_load() -> None:
     r.apply_event(store(1, Tier.DEVICE, 3))
     assert r.find_best_match(PROMPT, request_id="q", query_only=True).op is None
     assert r.find_best_match(PROMPT).op is None
-    assert len(r.active) == 0
+    assert r.active_requests() == 0
 
 
 def test_expired_requests_stop_counting() -> None:
@@ -126,7 +126,7 @@ def test_expired_requests_stop_counting() -> None:
     r.find_best_match(PROMPT, request_id="a")
     r.clock.now += 301  # type: ignore[attr-defined]
     d = r.find_best_match(PROMPT, query_only=True)
-    assert d.chosen.active_requests == 0 and len(r.active) == 0
+    assert d.chosen.active_requests == 0 and r.active_requests() == 0
 
 
 def test_lora_prompts_do_not_match_base_blocks() -> None:
@@ -144,10 +144,10 @@ def test_workers_removal_and_errors() -> None:
     r.apply_event(store(1, Tier.DEVICE, 8))
     r.apply_event(Removed(2, 3, Tier.DISK, 0, 1, (42,)))  # unknown remove: still known
     assert r.workers() == [WorkerKey(1, 0), WorkerKey(2, 3)]
-    assert r.index.counters["removed_unknown_block"] == 1
+    assert r.rejections()["removed_unknown_block"] == 1
     r.find_best_match(PROMPT, request_id="x", overrides=SchedulerOverrides(allowed_workers=frozenset({1})))
     assert r.remove_worker(1) == [WorkerKey(1, 0)]
-    assert r.workers() == [WorkerKey(2, 3)] and len(r.active) == 0
+    assert r.workers() == [WorkerKey(2, 3)] and r.active_requests() == 0
     with pytest.raises(UnknownWorkerError, match="worker 1 is not known"):
         r.remove_worker(1)
     with pytest.raises(NoEligibleWorkerError, match="allowed workers"):
@@ -175,7 +175,7 @@ def test_candidates_limit_the_choice_and_admit_unindexed_workers(compiled: bool,
     # Only the unindexed worker: chosen, and its load counts for the next decision.
     d = r.find_best_match(PROMPT, request_id="r1", candidates=[WorkerKey(7, 0)])
     assert d.worker == WorkerKey(7, 0) and d.op is not None and d.op.overlap_tokens == 0
-    assert r.active.load(WorkerKey(7, 0)) is not None
+    assert r.load(WorkerKey(7, 0)) is not None
     d = r.find_best_match(PROMPT, query_only=True, candidates=[WorkerKey(7, 0), WorkerKey(8, 0)])
     assert d.worker == WorkerKey(8, 0)
     r.free("r1")

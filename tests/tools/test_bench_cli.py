@@ -55,11 +55,11 @@ def test_churn_records_fold_to_one_fresh_chain_per_worker() -> None:
     workers = [(7, 0), (7, 1), (9, 0)]
     for i, (wid, rank) in enumerate(workers):
         router.apply_event(Stored(wid, rank, Tier.DEVICE, 0, i, None, (100 + i, 200 + i), (1, 2)))
-    before = {k: v[Tier.DEVICE] for k, v in router.index.tree_sizes().items()}
+    before = {k: v[Tier.DEVICE] for k, v in router.tree_sizes().items()}
     fold = LogFold(router, EventCodec().decode)
     outs = [fold.apply_record(0, k, 0, rec) for k, rec in enumerate(churn_records(workers, 5 * len(workers), 0))]
     assert [o.dlq_reason for o in outs] == [None] * len(outs)
-    after = {k: v[Tier.DEVICE] for k, v in router.index.tree_sizes().items()}
+    after = {k: v[Tier.DEVICE] for k, v in router.tree_sizes().items()}
     # Each round removed the previous chain: one fresh chain per worker is left.
     assert after == {k: n + CHAIN_BLOCKS for k, n in before.items()}
 

@@ -92,7 +92,7 @@ def route_bench(
     reference = Router(
         RouterConfig(block_size=block_size, compiled=False), clock=time.monotonic, rng=random.Random(seed)
     )
-    reference.index = router.index
+    reference._index = router._index  # noqa: SLF001
     buffers = [np.array(p, dtype=np.uint32) for p in prompts]
     counter = iter(range(10**9))
 
@@ -125,10 +125,10 @@ def route_bench(
     hashed = [hashing.block_hashes(p, block_size) for p in prompts]
     t_hash = time_calls(lambda: hashing.block_hashes(next(it), block_size), len(prompts))
     it2 = iter(hashed)
-    t_match = time_calls(lambda: router.index.find_matches_by_tier(*next(it2)), len(prompts))
+    t_match = time_calls(lambda: router.find_matches_by_tier(*next(it2)), len(prompts))
     keys = router.workers()
     it4 = iter(hashed)
-    t_load = time_calls(lambda: router.active.loads_for(keys, next(it4)[1]), len(prompts))
+    t_load = time_calls(lambda: router.loads_for(keys, next(it4)[1]), len(prompts))
     it5 = iter(prompts)
     t_query = time_calls(lambda: router.find_best_match(next(it5), query_only=True), len(prompts))
     it3 = iter(prompts)
@@ -166,7 +166,7 @@ def route_bench(
             "candidates": len(router.workers()),
             "prompt_tokens": prompt_blocks * block_size,
             "requests": len(prompts),
-            "active_requests_at_end": len(router.active),
+            "active_requests_at_end": router.active_requests(),
             # The compiled decision (kvstream.router.core), prompts as Python lists.
             "route_p50_us": p50,
             "route_p99_us": p99,

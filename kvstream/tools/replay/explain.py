@@ -159,10 +159,10 @@ def _score(fn: Any) -> RouteDecision:
 
 def _admitted(settings: Settings, router: Router, registry: RegistryAt) -> tuple[list[WorkerKey] | None, list[str]]:
     """The candidates the live rule gives (NoEligibleWorkerError when none), and notes."""
-    candidates = admission_from_settings(settings).candidates(router.index, registry.registered)
+    candidates = admission_from_settings(settings).candidates(router, registry.registered)
     if candidates is None:
         return None, ["every indexed worker competes ([router] require_registration = false)"]
-    hidden = sorted(w for w in registry.later if router.index.knows(w))
+    hidden = sorted(w for w in registry.later if router.knows(w))
     notes = [registry.note]
     if hidden:
         notes.append(f"workers {hidden[:16]} registered only after that time on the compacted registry: "
