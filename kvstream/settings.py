@@ -84,7 +84,7 @@ class RouterSettings(Section):
     max_active_prefill_tokens: int | None = Field(None, ge=0)
     request_ttl_s: float = Field(300.0, gt=0)
     #: ``kv``: the reference cost (§5); ``ttft``: predicted time to first token
-    #: (kvstream.router.policy). A route request may ask for either.
+    #: (kvstream.router.costs). A route request may ask for either.
     policy: Literal["kv", "ttft"] = "kv"
     ttft_prior_tokens_per_s: float = Field(20_000.0, gt=0)
     ttft_host_onboard_ratio: float = Field(0.1, ge=0)
@@ -92,8 +92,6 @@ class RouterSettings(Section):
     ttft_recompute_weight: float = Field(0.5, ge=0)
     #: ttft: the fleet's learned throughput for every worker, or each worker's own.
     ttft_rate_scope: Literal["fleet", "worker"] = "fleet"
-    #: kv decisions and load in the compiled core (false: the Python reference model).
-    compiled: bool = True
     #: Only workers with a live registration on kvstream.workers (or listed in
     #: ``[[gateway.workers]]``) may win a ``POST /v1/route``: a worker id that only ever
     #: published events is a phantom (kvstream.replica.admission). Turn it off only for a

@@ -43,7 +43,6 @@ def router_config(settings: Settings) -> RouterConfig:
         block_size=r["block_size"],
         scheduler=SchedulerConfig(**_pick(SchedulerConfig, r)),
         request_ttl_s=r["request_ttl_s"],
-        compiled=r["compiled"],
     )
 
 

@@ -1,5 +1,6 @@
-"""The in-process router (DESIGN.md §4–§6, §9): tier indexes + active sequences +
-scheduler behind one object. It knows nothing of Kafka: the replica feeds it router
+"""The in-process router (DESIGN.md §4–§6, §9): tier indexes, active sequences, learned
+prefill rates and the decision behind one object that owns them (callers use its
+methods, never its fields). It knows nothing of Kafka: the replica feeds it router
 events (``apply_event``) and peers' active-sequence ops (``apply_active``)."""
 
 from __future__ import annotations
@@ -8,33 +9,23 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-
-import numpy as np
 
 from kvstream.events.model import RouterEvent, Tier
-from kvstream.hashing import DEFAULT_BLOCK_SIZE, MmSpan, TokenIds, block_hashes
+from kvstream.hashing import DEFAULT_BLOCK_SIZE, MmSpan, identity_seed, local_hashes
 from kvstream.router.active import (
     DEFAULT_TTL_S,
     ActiveOp,
     ActiveSequences,
     AddRequest,
     FreeRequest,
+    PackedHashes,
     PrefillDone,
     WorkerLoad,
 )
-from kvstream.router.core import CoreActiveSequences, PromptTokens
-from kvstream.router.core import decide as decide_in_core
-from kvstream.router.errors import DuplicateRequestError, NoEligibleWorkerError, UnknownWorkerError
-from kvstream.router.index import NO_OVERLAP, PackedBlocks, TieredIndex, TierOverlap, WorkerBlocks, WorkerKey
-from kvstream.router.scheduler import (
-    Candidates,
-    CandidateScore,
-    Schedule,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOverrides,
-)
+from kvstream.router.core import Prompt, PromptTokens, decide
+from kvstream.router.errors import NoEligibleWorkerError, UnknownWorkerError
+from kvstream.router.index import PackedBlocks, TieredIndex, TierOverlap, WorkerBlocks, WorkerKey
+from kvstream.router.scheduler import CandidateScore, Schedule, SchedulerConfig, SchedulerOverrides
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +34,6 @@ class RouterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     #: Active requests older than this are expired (§6).
     request_ttl_s: float = DEFAULT_TTL_S
-    #: Make kv decisions and hold the load in the compiled core (kvstream.router.core);
-    #: False runs the Python reference model (active.py, scheduler.py).
-    compiled: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -87,7 +75,7 @@ class RouteDecision:
 
 @dataclass(frozen=True, slots=True)
 class LearnedRates:
-    """The ttft policy's learned prefill throughput (kvstream.router.policy.PrefillRates)."""
+    """The ttft policy's learned prefill throughput (kvstream.router.rates.PrefillRates)."""
 
     #: Per worker rank with samples: tokens/s (None while its sums carry no time).
     per_worker: dict[WorkerKey, float | None]
@@ -117,12 +105,9 @@ class Router:
         #: The index's apply of an event still packed in a message (the fold's hot path:
         #: bound here, not wrapped, so that it costs no extra call per event).
         self.apply_packed: Callable[..., str | None] = self._index.apply_packed
-        self._active: ActiveSequences | CoreActiveSequences = (
-            CoreActiveSequences(self.config.request_ttl_s, clock)
-            if self.config.compiled
-            else ActiveSequences(self.config.request_ttl_s, clock)
-        )
-        self._scheduler = Scheduler(self.config.scheduler, rng)
+        self._active = ActiveSequences(self.config.request_ttl_s, clock)
+        #: The uniform draws of decisions (tie-breaks, sampling): seedable.
+        self._rng = rng or random.Random()
         #: Why the last workers that were removed left (worker id → what happened), so
         #: that a router with none left says what became of them.
         self.departed: dict[int, str] = {}
@@ -212,7 +197,7 @@ class Router:
 
     def reseed(self, seed: int) -> None:
         """Restart the stream of uniform draws (tie-breaks, sampling) from ``seed``."""
-        self._scheduler.rng.seed(seed)
+        self._rng.seed(seed)
 
     def remove_worker(self, worker_id: int, why: str | None = None) -> list[WorkerKey]:
         """Forget a worker: its blocks on every tier and rank, and its active requests.
@@ -260,107 +245,59 @@ class Router:
         keys and the other ranks the index knows of their workers compete, indexed or
         not (a registered worker that has published nothing yet competes with no
         overlap); None: every worker the index knows."""
-        track = request_id is not None and not query_only
         if candidates is None and not self._index.workers():
             raise self.no_workers()
-        # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
-        # stays in Python, over the same load (CoreActiveSequences has its interface).
-        # The core hashes plain and LoRA prompts only: a salt or multimodal spans change
-        # the blocks' identity (kvstream.hashing), so those prompts take the Python path.
-        if (
-            isinstance(self._active, CoreActiveSequences)
-            and not cache_salt
-            and not mm
-            and self._scheduler.config.with_overrides(overrides).policy == "kv"
-        ):
-            return self._decide_in_core(token_ids, lora_name, request_id, track, overrides, candidates=candidates)
-        if track and request_id in self._active:
-            raise DuplicateRequestError(f"request {request_id!r} is already active")
-        if isinstance(token_ids, bytes | bytearray | memoryview):  # packed LE u32 ids
-            if len(token_ids) % 4:
-                raise ValueError(f"a binary prompt is little-endian u32 token ids: {len(token_ids)} bytes is not a multiple of 4")
-            token_ids = np.frombuffer(token_ids, "<u4")
-        now = self.clock()
-        block_size = self.config.block_size
-        local, seqs = block_hashes(token_ids, block_size, lora_name, cache_salt=cache_salt, mm=mm)
-        isl = len(token_ids)
-        schedule = self.schedule_hashes(isl, local, seqs, overrides, now, candidates=candidates)
-        winner = schedule.candidates.workers[schedule.chosen]
-        active = self._active
-        op = None
-        if track:
-            assert request_id is not None
-            op = AddRequest(
-                request_id,
-                winner.worker_id,
-                winner.dp_rank,
-                isl,
-                int(schedule.columns.cached_tokens[schedule.chosen]),
-                tuple(seqs),
-                now,
-            )
-            active.apply(op)
-        return RouteDecision(winner, request_id, isl, len(seqs), schedule, op)
+        # A salt changes only the seed; multimodal spans change some blocks' bytes, so
+        # their local hashes are computed here (kvstream.hashing, the one definition)
+        # and the core chains them.
+        local = local_hashes(token_ids, self.config.block_size, lora_name, cache_salt=cache_salt, mm=mm) if mm else None
+        prompt = Prompt(token_ids, identity_seed(lora_name, cache_salt), local)
+        tracked_id = request_id if request_id is not None and not query_only else None
+        return self._decide(prompt, request_id, tracked_id, overrides, candidates)
 
-    def _decide_in_core(
+    def _decide(
         self,
-        token_ids: PromptTokens,
-        lora_name: str | None,
+        prompt: Prompt,
         request_id: str | None,
-        track: bool,
+        tracked_id: str | None,
         overrides: SchedulerOverrides | None,
+        candidates: Sequence[WorkerKey] | None,
+        now: float | None = None,
         max_tokens: int | None = None,
-        *,
-        candidates: Sequence[WorkerKey] | None = None,
+        blocks: int | None = None,
     ) -> RouteDecision:
-        assert isinstance(self._active, CoreActiveSequences)
-        now = self.clock()
+        now = self.clock() if now is None else now
         # The core adds the request when it gets an id; a query-only decision still
-        # names the id it was asked with, as on the Python path.
-        tracked_id = request_id if track else None
-        schedule, seqs, isl = decide_in_core(
-            self._index, self._active, self._scheduler, self._scheduler.config.with_overrides(overrides),
-            self.config.block_size, token_ids, lora_name, tracked_id, now, max_tokens, candidates,
+        # names the id it was asked with.
+        schedule, seqs, isl = decide(
+            self._index, self._active, self._rng, self.config.scheduler.with_overrides(overrides),
+            self.config.block_size, prompt, tracked_id, now, candidates, max_tokens,
         )
         winner = schedule.candidates.workers[schedule.chosen]
         op = None
         if tracked_id is not None and seqs is not None:
             cached = int(schedule.columns.cached_tokens[schedule.chosen])
             op = AddRequest(tracked_id, winner.worker_id, winner.dp_rank, isl, cached, seqs, now)
-        return RouteDecision(winner, request_id, isl, isl // self.config.block_size, schedule, op)
+        blocks = isl // self.config.block_size if blocks is None else blocks
+        return RouteDecision(winner, request_id, isl, blocks, schedule, op)
 
-    def schedule_hashes(
+    def decide_logged(
         self,
         isl: int,
-        local_hashes: Sequence[int],
         seq_hashes: Sequence[int],
+        request_id: str | None,
+        now: float,
         overrides: SchedulerOverrides | None = None,
-        now: float | None = None,
         *,
         candidates: Sequence[WorkerKey] | None = None,
-    ) -> Schedule:
-        """Score every candidate (``candidates`` as in find_best_match) for a prompt
-        given by its block hashes (what find_best_match does after hashing; replay tools
-        call it with logged hashes). Expires old requests first; applies nothing else."""
-        keys = tuple(self._index.workers()) if candidates is None else tuple(self._index.candidate_keys(candidates))
-        if candidates is not None and not keys:  # before expiring, as the core does
-            raise NoEligibleWorkerError("no candidate worker was given")
-        active = self._active
-        active.expire(now)
-        overlaps = self._index.find_matches_by_tier(local_hashes, seq_hashes)
-        get_overlap = overlaps.get
-        n = len(keys)
-        flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
-        overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]
-        sched = self.config.scheduler
-        candidates = Candidates(
-            keys,
-            np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
-            np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
-            active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope),
-            active.rates.decode_slowdown(),
-        )
-        return self._scheduler.schedule(isl, self.config.block_size, candidates, overrides)
+    ) -> RouteDecision:
+        """The query-only decision for a prompt given by its length and its blocks'
+        sequence hashes (replay tools: the log keeps no token ids), at ``now``;
+        ``candidates`` as in find_best_match. Expires old requests first; applies
+        nothing else."""
+        seqs = seq_hashes.data if isinstance(seq_hashes, PackedHashes) else list(seq_hashes)
+        prompt = Prompt(isl=isl, sequence_hashes=seqs)
+        return self._decide(prompt, request_id, None, overrides, candidates, now, blocks=len(seq_hashes))
 
     def prefill_done(self, request_id: str) -> PrefillDone:
         """The request's first token came out; returns the op applied (to share)."""

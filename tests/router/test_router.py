@@ -26,6 +26,8 @@ from kvstream.router.errors import (
     UnknownWorkerError,
 )
 
+from .reference_router import ReferenceRouter
+
 PROMPT = list(range(1000, 1000 + 16 * 8))  # 8 blocks of 16
 LOCAL = local_hashes(PROMPT)
 
@@ -157,13 +159,13 @@ def test_workers_removal_and_errors() -> None:
     assert (d.blocks, d.chosen.logit) == (0, 3 / 16)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("router", [Router, ReferenceRouter], ids=["core", "reference"])
 @pytest.mark.parametrize("policy", ["kv", "ttft"])
-def test_candidates_limit_the_choice_and_admit_unindexed_workers(compiled: bool, policy: str) -> None:
+def test_candidates_limit_the_choice_and_admit_unindexed_workers(router: type, policy: str) -> None:
     """The gateway's candidates: only the given workers compete (every rank the index
     knows of them), and a given worker that has published nothing competes with no
-    overlap and takes load like any other, on both the compiled and the Python path."""
-    r = Router(RouterConfig(scheduler=SchedulerConfig(policy=policy), compiled=compiled), clock=Clock(), rng=random.Random(0))
+    overlap and takes load like any other, in the core and in the reference model."""
+    r = router(RouterConfig(scheduler=SchedulerConfig(policy=policy)), clock=Clock(), rng=random.Random(0))
     r.apply_event(store(1, Tier.DEVICE, 8))
     r.apply_event(store(2, Tier.DEVICE, 4))
     r.apply_event(store(2, Tier.DEVICE, 6, rank=1, ids=60))

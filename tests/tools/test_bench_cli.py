@@ -32,12 +32,15 @@ def test_index_and_route_benches() -> None:
     # (it came out negative once: the allocator handed memory back meanwhile).
     assert r["table_bytes_per_block"] > 0
     assert isinstance(r["bytes_per_block"], float)
-    r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "50", "--prompt-blocks", "160"])
-    for key in ("route_p50_us", "route_p99_us", "decisions_per_s"):
+    r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "200", "--prompt-blocks", "160"])
+    for key in ("route_p50_us", "route_p99_us", "decisions_per_s", "route_buffer_p50_us"):
         assert r[key] > 0, key
     assert r["route_p99_us"] >= r["route_p50_us"]
-    for key in ("route_buffer_p50_us", "reference_route_p50_us", "decisions_speedup_vs_reference"):
-        assert r[key] > 0, key
+    # Salted prompts and ttft decisions take the same compiled path as plain ones (they
+    # took a Python one at 3-4x the time): within 1.2x of route_p50_us in the same run.
+    for key in ("salted_route", "ttft_route"):
+        assert r[f"{key}_p50_us"] <= 1.2 * r["route_p50_us"], (key, r[f"{key}_p50_us"], r["route_p50_us"])
+        assert r[f"{key}_p50_ratio"] == round(r[f"{key}_p50_us"] / r["route_p50_us"], 3)
     # Decisions beside a paced ingest of real records (kvstream/tools/bench/ingest_load.py).
     assert r["ingest_records_rejected"] == 0
     assert r["ingest_block_events_per_s"] > 0
