@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, get_type_hints
 
 import numpy as np
 
@@ -24,61 +24,71 @@ from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.router.rates import RATE_SCOPES
 
 
+def _option(
+    default: Any,
+    *,
+    per_request: bool = False,
+    setting: bool = True,
+    positive: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A SchedulerConfig field: its default, its bound (a finite number >= 0, or > 0 when
+    ``positive``; one of ``choices``), and where else it appears: a request may
+    override it (``per_request``: SchedulerOverrides, the HTTP ``weights``), it is a
+    ``[router]`` setting (``setting``: kvstream.settings.RouterSettings). Every other
+    definition of the field is derived from this one."""
+    meta = {"per_request": per_request, "setting": setting, "positive": positive, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Scheduling weights and filters (defaults are the reference's, §5)."""
 
-    overlap_score_credit: float = 1.0
-    host_cache_hit_weight: float = 0.75
-    disk_cache_hit_weight: float = 0.25
-    prefill_load_scale: float = 1.0
-    decode_active_request_weight: float = 0.0
-    router_temperature: float = 0.0
+    overlap_score_credit: float = _option(1.0, per_request=True)
+    host_cache_hit_weight: float = _option(0.75, per_request=True)
+    disk_cache_hit_weight: float = _option(0.25, per_request=True)
+    prefill_load_scale: float = _option(1.0, per_request=True)
+    decode_active_request_weight: float = _option(0.0, per_request=True)
+    router_temperature: float = _option(0.0, per_request=True)
     #: A candidate whose active decode blocks exceed this is busy (None: no limit).
-    max_active_decode_blocks: int | None = None
+    max_active_decode_blocks: int | None = _option(None, per_request=True)
     #: A candidate whose active prefill tokens exceed this is busy (None: no limit).
-    max_active_prefill_tokens: int | None = None
+    max_active_prefill_tokens: int | None = _option(None, per_request=True)
     #: Only these worker ids may be chosen (None: every known worker).
-    allowed_workers: frozenset[int] | None = None
+    allowed_workers: frozenset[int] | None = _option(None, per_request=True, setting=False)
     #: ``kv``: worker_logit (§5, the reference); ``ttft``: the predicted time to first
     #: token (kvstream.router.costs).
-    policy: str = "kv"
+    policy: str = _option("kv", per_request=True, choices=POLICIES)
     #: ttft: prefill throughput assumed for a worker before any is observed (tokens/s).
-    ttft_prior_tokens_per_s: float = 20_000.0
+    ttft_prior_tokens_per_s: float = _option(20_000.0, positive=True)
     #: ttft: cost of onboarding a token from host (G2), and from disk (G3) or external
     #: storage, as a fraction of prefilling it (PCIe ~25 GB/s and NVMe ~5 GB/s against
     #: ~20k tokens/s of compute at 128 KiB of KV per token: the simulator's defaults).
-    ttft_host_onboard_ratio: float = 0.1
-    ttft_disk_onboard_ratio: float = 0.5
+    ttft_host_onboard_ratio: float = _option(0.1)
+    ttft_disk_onboard_ratio: float = _option(0.5)
     #: ttft: weight of the delay a request's uncached prefill puts on later ones (scaled
     #: by the share of candidates with prefill queued).
-    ttft_recompute_weight: float = 0.5
+    ttft_recompute_weight: float = _option(0.5)
     #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
     #: its own ("worker": for a fleet of unequal GPUs).
-    ttft_rate_scope: str = "fleet"
+    ttft_rate_scope: str = _option("fleet", choices=RATE_SCOPES)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "policy":
-                if value not in POLICIES:
-                    raise SchedulerConfigError(
-                        f"policy must be one of {', '.join(POLICIES)}, got {value!r}"
-                    )
-            elif f.name == "ttft_rate_scope":
-                if value not in RATE_SCOPES:
-                    raise SchedulerConfigError(
-                        f"ttft_rate_scope must be one of {', '.join(RATE_SCOPES)}, got {value!r}"
-                    )
-            elif f.name == "ttft_prior_tokens_per_s" and not (
-                isinstance(value, int | float) and math.isfinite(value) and value > 0
-            ):
-                raise SchedulerConfigError(f"{f.name} must be a finite number > 0, got {value!r}")
+            choices = f.metadata["choices"]
+            if choices is not None:
+                if value not in choices:
+                    raise SchedulerConfigError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
             elif f.name == "allowed_workers":
                 if value is not None and not isinstance(value, frozenset):
                     raise SchedulerConfigError(
                         f"allowed_workers must be a frozenset of worker ids, got {value!r}"
                     )
+            elif f.metadata["positive"]:
+                if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                    raise SchedulerConfigError(f"{f.name} must be a finite number > 0, got {value!r}")
             elif value is not None and not (
                 isinstance(value, int | float) and math.isfinite(value) and value >= 0
             ):
@@ -98,20 +108,27 @@ class SchedulerConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerOverrides:
-    """Per-request overrides of :class:`SchedulerConfig`; None keeps the global value."""
+def config_fields(*, per_request: bool = False, setting: bool = False) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """SchedulerConfig's fields (with their resolved types) that a request may override,
+    or that are ``[router]`` settings: what the derived definitions are built from."""
+    hints = get_type_hints(SchedulerConfig)
+    return [
+        (f, hints[f.name])
+        for f in fields(SchedulerConfig)
+        if (per_request and f.metadata["per_request"]) or (setting and f.metadata["setting"])
+    ]
 
-    overlap_score_credit: float | None = None
-    host_cache_hit_weight: float | None = None
-    disk_cache_hit_weight: float | None = None
-    prefill_load_scale: float | None = None
-    decode_active_request_weight: float | None = None
-    router_temperature: float | None = None
-    max_active_decode_blocks: int | None = None
-    max_active_prefill_tokens: int | None = None
-    allowed_workers: frozenset[int] | None = None
-    policy: str | None = None
+
+#: Per-request overrides of :class:`SchedulerConfig` (its per-request fields, each
+#: optional); None keeps the global value.
+SchedulerOverrides = dataclasses.make_dataclass(
+    "SchedulerOverrides",
+    [(f.name, hint | None, field(default=None)) for f, hint in config_fields(per_request=True)],
+    frozen=True,
+    slots=True,
+)
+SchedulerOverrides.__module__ = __name__
+SchedulerOverrides.__doc__ = "Per-request overrides of SchedulerConfig; None keeps the global value."
 
 
 class Candidate(NamedTuple):
