@@ -36,13 +36,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvstream.router.index import WorkerKey
 from kvstream.router.rates import PrefillRates
 
-if TYPE_CHECKING:
-    from kvstream.router.scheduler import SchedulerConfig
+
+class TtftConfig(Protocol):
+    """What the ttft cost reads of the configuration (SchedulerConfig's fields)."""
+
+    @property
+    def ttft_prior_tokens_per_s(self) -> float: ...
+
+    @property
+    def ttft_rate_scope(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +65,7 @@ class LearnedInputs:
 class Cost(Protocol):
     """A routing policy: the core computes its column; this says what it reads."""
 
-    def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: SchedulerConfig) -> LearnedInputs | None:
+    def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: TtftConfig) -> LearnedInputs | None:
         """The learned inputs the core's cost needs for these candidates (None: none)."""
         ...
 
@@ -66,14 +73,14 @@ class Cost(Protocol):
 class KvCost:
     """``worker_logit`` (§5): reads nothing learned."""
 
-    def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: SchedulerConfig) -> LearnedInputs | None:
+    def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: TtftConfig) -> LearnedInputs | None:
         return None
 
 
 class TtftCost:
     """The predicted time to first token, at the learned rates."""
 
-    def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: SchedulerConfig) -> LearnedInputs | None:
+    def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: TtftConfig) -> LearnedInputs | None:
         return LearnedInputs(
             learned.rates_for(keys, cfg.ttft_prior_tokens_per_s, cfg.ttft_rate_scope), learned.decode_slowdown()
         )

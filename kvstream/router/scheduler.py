@@ -192,15 +192,6 @@ class Candidates:
     #: active requests, new blocks.
     loads: np.ndarray
 
-    @classmethod
-    def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
-        n = len(rows)
-        return cls(
-            tuple(c[0] for c in rows),
-            np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 4),
-            np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
-        )
-
     def __len__(self) -> int:
         return len(self.workers)
 

@@ -49,6 +49,15 @@ class Candidates(CoreCandidates):
     #: Learned prefill slowdown per active decode block (seconds per token).
     decode_slowdown_s: float = 0.0
 
+    @classmethod
+    def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
+        n = len(rows)
+        return cls(
+            tuple(c[0] for c in rows),
+            np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 4),
+            np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
+        )
+
 
 # -- active sequences (§6) -----------------------------------------------------------
 
