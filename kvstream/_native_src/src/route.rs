@@ -1,12 +1,15 @@
-//! The kv routing decision in one call (DESIGN.md §4–§6), called from
-//! kvstream/router/core.py: hashing, matching across tiers (index.rs), the active-sequence
-//! load, `worker_logit` and the choice, and the add of the routed request.
+//! The routing decision in one call (DESIGN.md §4–§6), called from
+//! kvstream/router/core.py: hashing (or the caller's local hashes), matching across tiers
+//! (index.rs), the active-sequence load, the §5 terms, the policy's cost (`Cost`: kv or
+//! ttft), the filters with their reasons, the choice, and the add of the routed request.
+//! The only implementation of these rules.
 //!
-//! kvstream/router/active.py and scheduler.py are the reference model: the property tests
+//! tests/router/reference_router.py is the reference model: the property tests
 //! (tests/router/test_core_properties.py) check that this gives the same candidates, the
-//! same logit terms to the last bit and the same choice for the same uniform draw. So the
-//! arithmetic below follows the reference's order of operations exactly (no reassociation,
-//! no fused multiply-add), and the draw walks the probabilities as `_draw` does.
+//! same terms and costs to the last bit, the same reasons and the same choice for the same
+//! uniform draw. So the arithmetic below follows the reference's order of operations
+//! exactly (no reassociation, no fused multiply-add), and the draw walks the
+//! probabilities as its `_draw` does.
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashSet};
 
@@ -410,6 +413,7 @@ struct Rates {
     decode_slowdown: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn decide(
     index: &IndexCore,
     active: &ActiveCore,
