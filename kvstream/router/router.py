@@ -100,7 +100,7 @@ class Router:
         rng: random.Random | None = None,
     ) -> None:
         self.config = config or RouterConfig()
-        self.clock = clock
+        self._clock = clock
         self._index = TieredIndex()
         #: The index's apply of an event still packed in a message (the fold's hot path:
         #: bound here, not wrapped, so that it costs no extra call per event).
@@ -110,7 +110,7 @@ class Router:
         self._rng = rng or random.Random()
         #: Why the last workers that were removed left (worker id → what happened), so
         #: that a router with none left says what became of them.
-        self.departed: dict[int, str] = {}
+        self._departed: dict[int, str] = {}
 
     # -- state from the log ----------------------------------------------------------
 
@@ -206,15 +206,15 @@ class Router:
             raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
         self.drop_requests(worker_id)
         if why is not None:
-            self.departed.pop(worker_id, None)
-            self.departed[worker_id] = why
-            while len(self.departed) > DEPARTED_KEPT:
-                del self.departed[next(iter(self.departed))]
+            self._departed.pop(worker_id, None)
+            self._departed[worker_id] = why
+            while len(self._departed) > DEPARTED_KEPT:
+                del self._departed[next(iter(self._departed))]
         return self._index.remove_worker(worker_id)
 
     def no_workers(self) -> NoEligibleWorkerError:
         """The error of a route with no worker known, saying what became of the last ones."""
-        gone = [f"worker {wid} {why}" for wid, why in self.departed.items() if not self._index.knows(wid)]
+        gone = [f"worker {wid} {why}" for wid, why in self._departed.items() if not self._index.knows(wid)]
         if not gone:
             return NoEligibleWorkerError("no workers known: none has published an event within its lease")
         return NoEligibleWorkerError("no workers known: " + "; ".join(reversed(gone)))
@@ -266,7 +266,7 @@ class Router:
         max_tokens: int | None = None,
         blocks: int | None = None,
     ) -> RouteDecision:
-        now = self.clock() if now is None else now
+        now = self._clock() if now is None else now
         # The core adds the request when it gets an id; a query-only decision still
         # names the id it was asked with.
         schedule, seqs, isl = decide(
@@ -301,13 +301,13 @@ class Router:
 
     def prefill_done(self, request_id: str) -> PrefillDone:
         """The request's first token came out; returns the op applied (to share)."""
-        op = PrefillDone(request_id, self.clock())
+        op = PrefillDone(request_id, self._clock())
         self._active.apply(op)
         return op
 
     def free(self, request_id: str) -> FreeRequest:
         """The request finished or was cancelled; returns the op applied (to share)."""
-        op = FreeRequest(request_id, self.clock())
+        op = FreeRequest(request_id, self._clock())
         self._active.apply(op)
         return op
 

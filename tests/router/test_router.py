@@ -123,10 +123,11 @@ def test_query_only_and_anonymous_requests_leave_no_load() -> None:
 
 
 def test_expired_requests_stop_counting() -> None:
-    r = make_router()
+    clock = Clock()
+    r = Router(RouterConfig(), clock=clock, rng=random.Random(0))
     r.apply_event(store(1, Tier.DEVICE, 3))
     r.find_best_match(PROMPT, request_id="a")
-    r.clock.now += 301  # type: ignore[attr-defined]
+    clock.now += 301
     d = r.find_best_match(PROMPT, query_only=True)
     assert d.chosen.active_requests == 0 and r.active_requests() == 0
 
