@@ -39,7 +39,6 @@ from kvstream.events.model import Tier
 from kvstream.kafka.config import consumer_config
 from kvstream.replica.fold import Outcome
 from kvstream.replica.replica import Replica
-from kvstream.router.index import REASONS
 from kvstream.settings import Settings, TopicSettings
 from bench.common import emit, json_option
 from bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, wait_applied, wait_settled
@@ -280,7 +279,7 @@ def raw_consume(settings: Settings, targets: dict[int, int], timeout: float) -> 
 def _held_in_index(replica: Replica) -> dict[int, int]:
     with replica.lock:
         return {
-            k.worker_id: tiers[Tier.DEVICE] for k, tiers in replica.router.index.tree_sizes().items()
+            k.worker_id: tiers[Tier.DEVICE] for k, tiers in replica.router.tree_sizes().items()
         }
 
 
@@ -291,10 +290,9 @@ def _check_index(replica: Replica, held: dict[int, int], what: str) -> None:
     if got != want:
         raise click.ClickException(f"{what}: the index holds {sum(got.values())} blocks, the workers {sum(want.values())}")
     with replica.lock:
-        rejected = {r: replica.router.index.counters[r] for r in REASONS if replica.router.index.counters[r]}
-        counters = dict(replica.fold.counters)
-    if rejected or counters:
-        raise click.ClickException(f"{what}: events rejected or skipped: {rejected | counters}")
+        counters = {k: v for k, v in replica.fold.rejections().items() if v}
+    if counters:
+        raise click.ClickException(f"{what}: events rejected or skipped: {counters}")
 
 
 @click.command("pipeline")

@@ -95,7 +95,7 @@ def fold_digest(replica: Replica) -> tuple[Any, ...]:
         fold = replica.fold
         sizes = {
             (k.worker_id, k.dp_rank, t.value): n
-            for k, tiers in replica.router.index.tree_sizes().items()
+            for k, tiers in replica.router.tree_sizes().items()
             for t, n in tiers.items()
             if n
         }

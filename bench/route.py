@@ -3,13 +3,17 @@ second for 8k-token prompts, with a breakdown (hashing, matching, scoring).
 
 The index is the ``kvstream bench index`` workload; prompts are token lists whose blocks
 are those of held conversations (so matches are real), continued with fresh tokens.
-The decision is the compiled one (kvstream.router.core), timed with prompts as Python
-lists and as numpy uint32 buffers, against the Python reference model
-(``RouterConfig(compiled=False)``) over the same index in the same run. Every timed
-decision adds its request to the active sequences and one in two is freed
-again, so the scheduler scores loaded workers (``route_*``); ``decisions_per_s`` and
-``query_only_*`` time query-only decisions against that load. The baseline is the same decision with a plain
-per-block xxhash loop for the prompt hashes (the hashing bench's baseline).
+The decision is made in the compiled core (kvstream.router.core), timed with prompts as
+Python lists and as numpy uint32 buffers. ``salted_route_*`` times the same decisions
+for prompts with a cache salt (over an index that holds the fleet's blocks under that
+salt, so they match as much), ``ttft_route_*`` under the ``ttft`` policy, each
+interleaved with the plain ones (one of each per prompt, so that a load spike on the
+machine hits all three alike); ``*_ratio`` is each p50 over ``route_p50_us``. Every
+timed decision adds its request to the active sequences and one in two is freed again,
+so the scheduler scores loaded workers (``route_*``); ``decisions_per_s`` and
+``query_only_*`` time query-only decisions against that load. The baseline is the same
+decision with a plain per-block xxhash loop for the prompt hashes (the hashing bench's
+baseline).
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import click
 import numpy as np
 
 from kvstream import hashing
-from kvstream.router import Router, RouterConfig
+from kvstream.router import Router, RouterConfig, SchedulerConfig
 from bench.common import best_of, dynamo_option, emit, json_option, percentiles_us, time_calls
 from bench.dynamo_peer import side_by_side
 from bench.hashing import per_block_loop
 from bench.index import make_workload
 from bench.ingest_load import churn_records, route_under_ingest
+
+
+#: The cache salt of the salted decisions.
+SALT = "tenant-a"
 
 
 @click.command("route")
@@ -66,6 +74,7 @@ def route_bench(
     # (through kvstream.hashing) to blocks the index holds.
     tokens_of: dict[int, list[int]] = {}
     rekey: dict[int, int] = {}
+    rekey_salted: dict[int, int] = {}
 
     def block_tokens(h: int) -> list[int]:
         toks = tokens_of.get(h)
@@ -73,6 +82,7 @@ def route_bench(
             toks = rng.integers(0, 152_064, block_size, dtype=np.uint32).tolist()
             tokens_of[h] = toks
             rekey[h] = hashing.local_hashes(toks, block_size)[0]
+            rekey_salted[h] = hashing.local_hashes(toks, block_size, cache_salt=SALT)[0]
         return toks
 
     prompts = []
@@ -81,27 +91,44 @@ def route_bench(
     for ev in w.events:
         for h in ev.tokens_hashes:
             block_tokens(h)
-    router = Router(RouterConfig(block_size=block_size), clock=time.monotonic, rng=random.Random(seed))
-    for ev in w.events:
-        router.apply_event(
-            type(ev)(ev.worker_id, ev.dp_rank, ev.tier, ev.epoch, ev.event_id, ev.parent_hash, ev.block_hashes, tuple(rekey[h] for h in ev.tokens_hashes))
+    def fleet(policy: str, keys: dict[int, int]) -> Router:
+        r = Router(
+            RouterConfig(block_size=block_size, scheduler=SchedulerConfig(policy=policy)),
+            clock=time.monotonic, rng=random.Random(seed),
         )
-    del tokens_of
+        for ev in w.events:
+            r.apply_event(
+                type(ev)(ev.worker_id, ev.dp_rank, ev.tier, ev.epoch, ev.event_id, ev.parent_hash, ev.block_hashes, tuple(keys[h] for h in ev.tokens_hashes))
+            )
+        return r
 
-    # The Python reference model (active.py + scheduler.py) over the same index, fed
-    # the same decisions: the baseline of the compiled decision.
-    reference = Router(
-        RouterConfig(block_size=block_size, compiled=False), clock=time.monotonic, rng=random.Random(seed)
-    )
-    reference.index = router.index
+    router = fleet("kv", rekey)
+    salted_router = fleet("kv", rekey_salted)
+    ttft_router = fleet("ttft", rekey)
+    del tokens_of, rekey, rekey_salted
     buffers = [np.array(p, dtype=np.uint32) for p in prompts]
     counter = iter(range(10**9))
 
-    def decide(r: Router, tokens: Sequence[int] | np.ndarray) -> None:
+    def decide(r: Router, tokens: Sequence[int] | np.ndarray, salt: str | None = None) -> None:
         i = next(counter)
-        r.find_best_match(tokens, request_id=f"r{i}")
+        r.find_best_match(tokens, request_id=f"r{i}", cache_salt=salt)
         if i % 2:
             r.free(f"r{i}")
+
+    def interleaved(inputs: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+        """Plain, salted and ttft decisions of each prompt in turn (ns each), the first
+        of the three rotating (the first to read a prompt pays its cache misses)."""
+        clock = time.perf_counter_ns
+        plain: list[int] = []
+        salted: list[int] = []
+        ttft: list[int] = []
+        kinds = ((plain, router, None), (salted, salted_router, SALT), (ttft, ttft_router, None))
+        for i, tokens in enumerate(inputs):
+            for out, r, salt in kinds[i % 3 :] + kinds[: i % 3]:
+                t0 = clock()
+                decide(r, tokens, salt)
+                out.append(clock() - t0)
+        return plain, salted, ttft
 
     def rate(r: Router, inputs: Sequence[Sequence[int] | np.ndarray]) -> float:
         """Query-only decisions per second, single-threaded: the best of 5 rounds of
@@ -110,26 +137,21 @@ def route_bench(
         return 1 / best_of(lambda: r.find_best_match(next(cycle), query_only=True), 100)
 
     gc.collect()
-    it = iter(prompts)
-    samples = time_calls(lambda: decide(router, next(it)), len(prompts))
+    samples, samples_salted, samples_ttft = interleaved(prompts)
     it_buf = iter(buffers)
     samples_buf = time_calls(lambda: decide(router, next(it_buf)), len(buffers))
-    n_ref = max(50, len(prompts) // 4)
-    it_ref = iter(prompts)
-    samples_ref = time_calls(lambda: decide(reference, next(it_ref)), n_ref)
     decisions_per_s = rate(router, prompts)
     decisions_per_s_buffer = rate(router, buffers)
-    decisions_per_s_ref = rate(reference, prompts[:n_ref])
 
     # Breakdown on the same prompts: each stage alone.
     it = iter(prompts)
     hashed = [hashing.block_hashes(p, block_size) for p in prompts]
     t_hash = time_calls(lambda: hashing.block_hashes(next(it), block_size), len(prompts))
     it2 = iter(hashed)
-    t_match = time_calls(lambda: router.index.find_matches_by_tier(*next(it2)), len(prompts))
+    t_match = time_calls(lambda: router.find_matches_by_tier(*next(it2)), len(prompts))
     keys = router.workers()
     it4 = iter(hashed)
-    t_load = time_calls(lambda: router.active.loads_for(keys, next(it4)[1]), len(prompts))
+    t_load = time_calls(lambda: router.loads_for(keys, next(it4)[1]), len(prompts))
     it5 = iter(prompts)
     t_query = time_calls(lambda: router.find_best_match(next(it5), query_only=True), len(prompts))
     it3 = iter(prompts)
@@ -153,7 +175,8 @@ def route_bench(
     peer = side_by_side(w.events, [local for local, _ in w.queries]) if with_dynamo else None
     p50, p99 = percentiles_us(samples, 50, 99)
     buf50, buf99 = percentiles_us(samples_buf, 50, 99)
-    ref50, ref99 = percentiles_us(samples_ref, 50, 99)
+    salted50, salted99 = percentiles_us(samples_salted, 50, 99)
+    ttft50, ttft99 = percentiles_us(samples_ttft, 50, 99)
     h50, _ = percentiles_us(t_hash, 50, 99)
     m50, m99 = percentiles_us(t_match, 50, 99)
     b50, _ = percentiles_us(t_base_hash, 50, 99)
@@ -167,7 +190,7 @@ def route_bench(
             "candidates": len(router.workers()),
             "prompt_tokens": prompt_blocks * block_size,
             "requests": len(prompts),
-            "active_requests_at_end": len(router.active),
+            "active_requests_at_end": router.active_requests(),
             # The compiled decision (kvstream.router.core), prompts as Python lists.
             "route_p50_us": p50,
             "route_p99_us": p99,
@@ -176,14 +199,14 @@ def route_bench(
             "route_buffer_p99_us": buf99,
             "decisions_per_s": round(decisions_per_s),
             "decisions_per_s_buffer": round(decisions_per_s_buffer),
-            # The Python reference model (RouterConfig(compiled=False)), same index and
-            # prompts, in the same run.
-            "reference_route_p50_us": ref50,
-            "reference_route_p99_us": ref99,
-            "reference_decisions_per_s": round(decisions_per_s_ref),
-            "route_p50_speedup_vs_reference": round(ref50 / p50, 2),
-            "route_buffer_p50_speedup_vs_reference": round(ref50 / buf50, 2),
-            "decisions_speedup_vs_reference": round(decisions_per_s / decisions_per_s_ref, 2),
+            # Salted prompts (their blocks held under the salt) and the ttft policy,
+            # interleaved with the plain decisions above; ratios to route_p50_us.
+            "salted_route_p50_us": salted50,
+            "salted_route_p99_us": salted99,
+            "salted_route_p50_ratio": round(salted50 / p50, 3),
+            "ttft_route_p50_us": ttft50,
+            "ttft_route_p99_us": ttft99,
+            "ttft_route_p50_ratio": round(ttft50 / p50, 3),
             # Buffer decisions under the same lock as a thread folding real decoded
             # batches at the target rate (bench/ingest_load.py).
             **(

@@ -38,9 +38,12 @@ from pydantic_settings import (
 )
 
 from kvstream.gateway.options import GatewayOptions
+from kvstream.hashing import DEFAULT_BLOCK_SIZE
 from kvstream.logs import DEFAULT_FORMAT, DEFAULT_LEVEL, FORMATS, LEVELS, get_logger
 from kvstream.options import is_internal
 from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
+from kvstream.router.active import DEFAULT_TTL_S
+from kvstream.router.scheduler import config_fields
 from kvstream.worker.options import WorkerOptions
 
 T = TypeVar("T")
@@ -136,36 +139,36 @@ class TopicSettings(Section):
         return f"{self.prefix}{topic}"
 
 
-class RouterSettings(Section):
-    """Block size and the scheduler's global weights (DESIGN.md §5; ref defaults)."""
+def _scheduler_settings() -> dict[str, Any]:
+    """The ``[router]`` fields of the scheduler: SchedulerConfig's (their one definition:
+    types, defaults, bounds and choices)."""
+    out: dict[str, Any] = {}
+    for f, hint in config_fields(setting=True):
+        choices = f.metadata["choices"]
+        if choices is not None:
+            out[f.name] = (Literal[choices], f.default)  # type: ignore[valid-type]
+        elif f.metadata["positive"]:
+            out[f.name] = (hint, Field(f.default, gt=0))
+        else:
+            out[f.name] = (hint, Field(f.default, ge=0))
+    return out
 
-    block_size: int = Field(16, ge=1)
-    overlap_score_credit: float = Field(1.0, ge=0)
-    host_cache_hit_weight: float = Field(0.75, ge=0)
-    disk_cache_hit_weight: float = Field(0.25, ge=0)
-    prefill_load_scale: float = Field(1.0, ge=0)
-    decode_active_request_weight: float = Field(0.0, ge=0)
-    router_temperature: float = Field(0.0, ge=0)
-    max_active_decode_blocks: int | None = Field(None, ge=0)
-    max_active_prefill_tokens: int | None = Field(None, ge=0)
-    request_ttl_s: float = Field(300.0, gt=0)
-    #: ``kv``: the reference cost (§5); ``ttft``: predicted time to first token
-    #: (kvstream.router.policy). A route request may ask for either.
-    policy: Literal["kv", "ttft"] = "kv"
-    ttft_prior_tokens_per_s: float = Field(20_000.0, gt=0)
-    ttft_host_onboard_ratio: float = Field(0.1, ge=0)
-    ttft_disk_onboard_ratio: float = Field(0.5, ge=0)
-    ttft_recompute_weight: float = Field(0.5, ge=0)
-    #: ttft: the fleet's learned throughput for every worker, or each worker's own.
-    ttft_rate_scope: Literal["fleet", "worker"] = "fleet"
-    #: kv decisions and load in the compiled core (false: the Python reference model).
-    compiled: bool = True
+
+class _RouterSection(Section):
+    """Block size, the active requests' TTL, admission, and the scheduler's global
+    weights (DESIGN.md §5; ref defaults), whose fields come from SchedulerConfig."""
+
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
+    request_ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
     #: Only workers with a live registration on kvstream.workers (or listed in
     #: ``[[gateway.workers]]``) may win a ``POST /v1/route``: a worker id that only ever
     #: published events is a phantom (kvstream.replica.admission). Turn it off only for a
     #: fleet whose bridges do not register; every replica and ``kvstream replay`` of a
     #: deployment must agree on it.
     require_registration: bool = True
+
+
+RouterSettings = create_model("RouterSettings", __base__=_RouterSection, **_scheduler_settings())
 
 
 ReplicaSettings = section(

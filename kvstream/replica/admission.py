@@ -18,10 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstream.router.errors import NoEligibleWorkerError
-from kvstream.router.index import TieredIndex, WorkerKey
+from kvstream.router.index import WorkerKey
 from kvstream.settings import Settings
+
+
+class KnownWorkers(Protocol):
+    """What the rule reads of the router: the worker ranks its index knows."""
+
+    def workers(self) -> list[WorkerKey]: ...
+
+    def keys_of(self, worker_id: int) -> list[WorkerKey]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +41,7 @@ class Admission:
     #: Worker ids admitted without a registration (``[[gateway.workers]]``).
     static: frozenset[int] = frozenset()
 
-    def candidates(self, index: TieredIndex, registered: Collection[int]) -> list[WorkerKey] | None:
+    def candidates(self, index: KnownWorkers, registered: Collection[int]) -> list[WorkerKey] | None:
         """The keys that compete (every rank the index knows of each admitted worker),
         None when the rule is off; NoEligibleWorkerError when no admitted worker is
         known to the index."""

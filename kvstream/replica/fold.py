@@ -357,7 +357,7 @@ class LogFold:
             return None
         if self.authority.check_head(key, ts, wid, epoch, lease_ms) is not None:
             return None
-        index = self.router.index
+        router = self.router
         held = -1  # counted at the first stored event
         last_ids = log.last_ids
         check_blocks = self.authority.check_blocks
@@ -372,7 +372,7 @@ class LogFold:
             ids[rank] = eid
             if kind == _STORED:
                 if held < 0:
-                    held = index.worker_blocks(wid)
+                    held = router.worker_blocks(wid)
                 if check_blocks(True, n, held) is not None:
                     return None
                 held += n
@@ -393,11 +393,11 @@ class LogFold:
         log.lease_ms = lease_ms
         if ts > log.last_seen_ms:
             log.last_seen_ms = ts
-        known = index.knows(wid)
+        known = router.knows(wid)
         announced = False
         applied = 0
         rejected: list[str] = []
-        apply = index.apply_packed
+        apply = router.apply_packed
         remember = log.remember_digest
         for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
             last_ids[rank] = eid
@@ -410,8 +410,8 @@ class LogFold:
                     log.stored = True
             else:
                 rejected.append(f"event {i} (id {eid}): {reason}")
-        if not known and not announced and index.knows(wid):
-            index.remove_worker(wid)  # as in _apply_batch
+        if not known and not announced and router.knows(wid):
+            router.unindex(wid)  # as in _apply_batch
         if rejected:
             return Outcome(dlq_reason="; ".join(rejected), applied_events=applied)
         return _APPLIED[applied] if applied < len(_APPLIED) else Outcome(applied_events=applied)
@@ -440,7 +440,7 @@ class LogFold:
             if log is not None:
                 # A new incarnation replaces the old one even if its `cleared` was lost;
                 # on the same partition the old lease entry serves the new incarnation.
-                self.router.index.clear_worker(wid)
+                self.router.clear_worker(wid)
                 if log.partition != partition:
                     self._bound[log.partition] -= 1
             log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
@@ -454,15 +454,15 @@ class LogFold:
         log.last_seen_ms = max(log.last_seen_ms, ts)
         rejected: list[str] = []
         applied = 0
-        index = self.router.index
-        known = index.knows(wid)
+        router = self.router
+        known = router.knows(wid)
         announced = False
         apply_event = self.router.apply_event
         check_event = self.authority.check_event
         last_ids = log.last_ids
         # Blocks the worker holds, an upper bound (stores added, removes not taken off):
         # counted exactly only when the bound would reject a store.
-        held = index.worker_blocks(wid)
+        held = router.worker_blocks(wid)
         for i, ev in enumerate(batch.events):
             last = last_ids.get(ev.dp_rank)
             if last is not None:
@@ -483,7 +483,7 @@ class LogFold:
             log.remember(ev)
             too_big = check_event(ev, held)
             if too_big is not None and too_big.reason == WORKER_FULL:
-                held = index.worker_blocks(wid)
+                held = router.worker_blocks(wid)
                 too_big = check_event(ev, held)
             if too_big is None and type(ev) is Stored:
                 too_big = self._partition_budget(partition, len(ev.block_hashes))
@@ -500,11 +500,11 @@ class LogFold:
                 announced = announced or type(ev) is not Removed
             else:
                 rejected.append(f"event {i} (id {ev.event_id}): {reason}")
-        if not known and not announced and index.knows(wid):
+        if not known and not announced and router.knows(wid):
             # A worker becomes a candidate by an accepted store or its `cleared` (an
             # empty cache is a real worker); rejected stores and removes of blocks it
             # never had must not make it one.
-            index.remove_worker(wid)
+            router.unindex(wid)
         return Outcome(
             dlq_reason="; ".join(rejected) if rejected else None,
             resync=tuple(resync),
@@ -581,8 +581,8 @@ class LogFold:
 
     def _partition_blocks(self, partition: int) -> int:
         """Blocks the workers bound to ``partition`` hold (exact)."""
-        index = self.router.index
-        return sum(index.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
+        router = self.router
+        return sum(router.worker_blocks(w) for w, log in self.workers.items() if log.partition == partition)
 
     # -- leases ----------------------------------------------------------------------
 
@@ -609,7 +609,7 @@ class LogFold:
         self._began.pop(wid, None)
         self._bound[partition] -= 1
         self.dirty.add(wid)
-        if self.router.index.knows(wid):
+        if self.router.knows(wid):
             self.router.remove_worker(wid, why)
 
     # -- restore from a snapshot -------------------------------------------------------
@@ -626,8 +626,8 @@ class LogFold:
             if old.outranks(log.epoch, log.partition):
                 return False
             self._bound[old.partition] -= 1
-            if self.router.index.knows(worker_id):
-                self.router.index.remove_worker(worker_id)
+            if self.router.knows(worker_id):
+                self.router.unindex(worker_id)
         self.workers[worker_id] = log
         self._bound[log.partition] += 1
         if not log.stored:
@@ -638,6 +638,11 @@ class LogFold:
         return True
 
     # -- views -----------------------------------------------------------------------
+
+    def rejections(self) -> dict[str, int]:
+        """Every counter of rejected or skipped records and events: the fold's and the
+        router index's (the two sets of reasons are disjoint)."""
+        return dict(self.counters) | self.router.rejections()
 
     def next_offsets(self) -> dict[int, int]:
         return {p: s.next_offset for p, s in sorted(self.partitions.items())}

@@ -267,7 +267,7 @@ class Replica:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
         lag = self.lag()
         with self.lock:
-            sizes = self.router.index.tree_sizes()
+            sizes = self.router.tree_sizes()
             out: dict[str, dict] = {}
             for key, tiers in sizes.items():
                 w = out.setdefault(str(key.worker_id), {"ranks": {}})
@@ -318,7 +318,7 @@ class Replica:
         key = None if request_id is None else scoped(self.replica_id, request_id)
         with self.lock:
             if candidates is None:
-                candidates = self.admission.candidates(self.router.index, self.registry.worker_ids())
+                candidates = self.admission.candidates(self.router, self.registry.worker_ids())
             decision = self.router.find_best_match(
                 token_ids, lora_name, key, query_only, overrides, cache_salt=cache_salt, mm=mm,
                 candidates=candidates,

@@ -19,7 +19,8 @@ from msgspec import Meta, Struct
 
 from kvstream.replica import request_ids
 from kvstream.replica.errors import ReplicaError
-from kvstream.router.scheduler import SchedulerOverrides
+from kvstream.router.costs import POLICIES
+from kvstream.router.scheduler import SchedulerOverrides, config_fields
 
 #: Longest prompt accepted (tokens): bounds the work one request can ask for.
 MAX_TOKENS = 1 << 20
@@ -50,21 +51,24 @@ def _below_u64(values: Iterable[int], name: str) -> None:
         raise ValueError(f"`{name}` must be below 2**64")
 
 
-class Weights(Struct, forbid_unknown_fields=True, frozen=True):
-    """Per-request overrides of the scheduler's weights and filters (§5)."""
+#: A per-request field of SchedulerConfig (by its type) as the JSON body carries it.
+_WIRE: dict[Any, Any] = {float: Weight, int | None: Count, frozenset[int] | None: list[U64]}
 
-    overlap_score_credit: Weight | None = None
-    host_cache_hit_weight: Weight | None = None
-    disk_cache_hit_weight: Weight | None = None
-    prefill_load_scale: Weight | None = None
-    decode_active_request_weight: Weight | None = None
-    router_temperature: Weight | None = None
-    max_active_decode_blocks: Count | None = None
-    max_active_prefill_tokens: Count | None = None
-    allowed_workers: list[U64] | None = None
 
-    def __post_init__(self) -> None:
-        _below_u64(self.allowed_workers or (), "allowed_workers")
+def _check_weights(self: Any) -> None:
+    _below_u64(self.allowed_workers or (), "allowed_workers")
+
+
+#: Per-request overrides of the scheduler's weights and filters (§5): the per-request
+#: fields of SchedulerConfig (their one definition) but the policy, which is a field of
+#: the request itself.
+Weights = msgspec.defstruct(
+    "Weights",
+    [(f.name, _WIRE[hint] | None, None) for f, hint in config_fields(per_request=True) if f.name != "policy"],
+    namespace={"__post_init__": _check_weights},
+    forbid_unknown_fields=True,
+    frozen=True,
+)
 
 
 class MmSpanBody(Struct, forbid_unknown_fields=True, frozen=True):
@@ -89,7 +93,7 @@ class RouteQuery(Struct, forbid_unknown_fields=True, frozen=True):
     #: Include every candidate's terms of worker_logit in the answer.
     explain: bool = False
     #: The routing policy for this request (default: the replica's ``[router] policy``).
-    policy: Literal["kv", "ttft"] | None = None
+    policy: Literal[POLICIES] | None = None  # type: ignore[valid-type]
 
 
 class RouteRequest(RouteQuery, frozen=True, kw_only=True):

@@ -371,7 +371,7 @@ def create_app(
     @app.get("/metrics")
     def prometheus() -> Response:
         with replica.lock:
-            metrics.set_rejections(dict(replica.fold.counters) | dict(replica.router.index.counters))
+            metrics.set_rejections(replica.fold.rejections())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

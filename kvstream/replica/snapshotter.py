@@ -135,7 +135,7 @@ class Snapshotter:
             self.fold.dirty.update(self.fold.workers)
         self._meta = SnapshotMeta(
             gen, self.topic, self.topic_id, self.partition_count, int(time.time() * 1000),
-            counters=dict(self.fold.counters) | dict(self.fold.router.index.counters),
+            counters=self.fold.rejections(),
         )
         parts = set(range(self.partition_count)) | set(self.fold.partitions)
         self._todo = sorted(parts, reverse=True)
@@ -152,7 +152,7 @@ class Snapshotter:
             part.next_offset if part else 0, part.log_time_ms if part else 0
         )
         base_workers = self.base.partitions[p].workers if self.base and p in self.base.partitions else {}
-        export = fold.router.index.export_worker
+        export = fold.router.export_worker
         blobs = []
         for wid, wlog in fold.workers.items():
             if wlog.partition != p:
@@ -256,7 +256,7 @@ def restore_fold(
     fold: LogFold, meta: SnapshotMeta, blobs: dict[int, bytes], partitions: set[int]
 ) -> None:
     """Load the given partitions of a verified snapshot into an empty fold."""
-    index = fold.router.index
+    router = fold.router
     for p in partitions:
         pm = meta.partitions[p]
         fold.restore_partition(p, pm.next_offset, pm.log_time_ms)
@@ -267,4 +267,4 @@ def restore_fold(
                     {r: dict(d) for r, d in wm.recent.items()}, wm.stored,
                 )
             ):
-                index.import_worker(wid, packed_worker(blobs[wid]))
+                router.import_worker(wid, packed_worker(blobs[wid]))

@@ -1,4 +1,7 @@
-"""Router core (DESIGN.md §4–§6): tier indexes, scheduler, active sequences, Router.
+"""Router core (DESIGN.md §4–§6), shaped as NVIDIA Dynamo's kv-router: tier indexes
+(``index``), active sequences (``active``), learned prefill rates (``rates``), the
+policies' costs (``costs``), the scheduler's configuration and outcome (``scheduler``),
+the decision in the compiled core (``core``), behind the :class:`Router` that owns them.
 
 Knows nothing of Kafka: it folds ``kvstream.events.model`` events and active-sequence
 ops handed to it.
@@ -13,17 +16,15 @@ from kvstream.router.active import (
     WorkerLoad,
 )
 from kvstream.router.index import TieredIndex, TierOverlap, WorkerBlocks, WorkerKey
-from kvstream.router.router import RouteDecision, Router, RouterConfig
+from kvstream.router.router import LearnedRates, RouteDecision, Router, RouterConfig
 from kvstream.router.scheduler import (
     Candidate,
     Candidates,
     CandidateScore,
     LogitTerms,
     Schedule,
-    Scheduler,
     SchedulerConfig,
     SchedulerOverrides,
-    worker_logit,
 )
 
 __all__ = [
@@ -35,12 +36,12 @@ __all__ = [
     "Candidates",
     "LogitTerms",
     "FreeRequest",
+    "LearnedRates",
     "PrefillDone",
     "RouteDecision",
     "Router",
     "RouterConfig",
     "Schedule",
-    "Scheduler",
     "SchedulerConfig",
     "SchedulerOverrides",
     "TierOverlap",
@@ -48,5 +49,4 @@ __all__ = [
     "WorkerBlocks",
     "WorkerKey",
     "WorkerLoad",
-    "worker_logit",
 ]

@@ -111,19 +111,22 @@ class TieredIndex:
             self._core.add_slot(slot)
         return slot
 
+    @property
+    def core(self) -> IndexCore:
+        """The compiled index, for the decision's one call (kvstream.router.core)."""
+        return self._core
+
     def workers(self) -> list[WorkerKey]:
         """Every (worker, dp_rank) that has published anything, in slot order."""
         return [k for k in self._keys if k is not None]
 
-    def candidate_keys(self, wanted: Sequence[WorkerKey]) -> list[WorkerKey]:
-        """The routing candidates for ``wanted``: every rank the index knows of their
-        workers, in slot order, then the wanted keys it does not know, in their order."""
-        return [k for k in self.candidate_slots(wanted) if k is not None]
-
-    def candidate_slots(self, wanted: Sequence[WorkerKey]) -> list[WorkerKey | None]:
+    def candidate_slots(self, wanted: Sequence[WorkerKey] | None) -> list[WorkerKey | None]:
         """Per slot, its key when it is a candidate for ``wanted`` (else None), then
         the wanted keys the index does not know (as slots past the last one: they hold
-        no block)."""
+        no block). None: every slot in use is a candidate (the list is the index's own:
+        read it, never change it)."""
+        if wanted is None:
+            return self._keys
         ids = {k[0] for k in wanted}
         slots = [k if k is not None and k.worker_id in ids else None for k in self._keys]
         known = self._slot_of

@@ -1,39 +1,31 @@
-"""The in-process router (DESIGN.md §4–§6, §9): tier indexes + active sequences +
-scheduler behind one object. It knows nothing of Kafka: the replica feeds it router
+"""The in-process router (DESIGN.md §4–§6, §9): tier indexes, active sequences, learned
+prefill rates and the decision behind one object that owns them (callers use its
+methods, never its fields). It knows nothing of Kafka: the replica feeds it router
 events (``apply_event``) and peers' active-sequence ops (``apply_active``)."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
-import numpy as np
-
-from kvstream.events.model import RouterEvent
-from kvstream.hashing import DEFAULT_BLOCK_SIZE, MmSpan, TokenIds, block_hashes
+from kvstream.events.model import RouterEvent, Tier
+from kvstream.hashing import DEFAULT_BLOCK_SIZE, MmSpan, identity_seed, local_hashes
 from kvstream.router.active import (
     DEFAULT_TTL_S,
     ActiveOp,
     ActiveSequences,
     AddRequest,
     FreeRequest,
+    PackedHashes,
     PrefillDone,
+    WorkerLoad,
 )
-from kvstream.router.core import CoreActiveSequences, PromptTokens
-from kvstream.router.core import decide as decide_in_core
-from kvstream.router.errors import DuplicateRequestError, NoEligibleWorkerError, UnknownWorkerError
-from kvstream.router.index import NO_OVERLAP, TieredIndex, TierOverlap, WorkerKey
-from kvstream.router.scheduler import (
-    Candidates,
-    CandidateScore,
-    Schedule,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOverrides,
-)
+from kvstream.router.core import Prompt, PromptTokens, decide
+from kvstream.router.errors import NoEligibleWorkerError, UnknownWorkerError
+from kvstream.router.index import PackedBlocks, TieredIndex, TierOverlap, WorkerBlocks, WorkerKey
+from kvstream.router.scheduler import CandidateScore, Schedule, SchedulerConfig, SchedulerOverrides
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +34,6 @@ class RouterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     #: Active requests older than this are expired (§6).
     request_ttl_s: float = DEFAULT_TTL_S
-    #: Make kv decisions and hold the load in the compiled core (kvstream.router.core);
-    #: False runs the Python reference model (active.py, scheduler.py).
-    compiled: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -84,6 +73,18 @@ class RouteDecision:
         return dict(zip(self.schedule.candidates.workers, self.schedule.columns.logit.tolist()))
 
 
+@dataclass(frozen=True, slots=True)
+class LearnedRates:
+    """The ttft policy's learned prefill throughput (kvstream.router.rates.PrefillRates)."""
+
+    #: Per worker rank with samples: tokens/s (None while its sums carry no time).
+    per_worker: dict[WorkerKey, float | None]
+    #: The fleet's pooled tokens/s (None: no sample yet).
+    fleet: float | None
+    #: Seconds per prefilled token per active decode block.
+    decode_slowdown_s: float
+
+
 #: Departed workers a router remembers (the latest ones).
 DEPARTED_KEPT = 8
 
@@ -99,53 +100,121 @@ class Router:
         rng: random.Random | None = None,
     ) -> None:
         self.config = config or RouterConfig()
-        self.clock = clock
-        self.index = TieredIndex()
-        self.active: ActiveSequences | CoreActiveSequences = (
-            CoreActiveSequences(self.config.request_ttl_s, clock)
-            if self.config.compiled
-            else ActiveSequences(self.config.request_ttl_s, clock)
-        )
-        self.scheduler = Scheduler(self.config.scheduler, rng)
+        self._clock = clock
+        self._index = TieredIndex()
+        #: The index's apply of an event still packed in a message (the fold's hot path:
+        #: bound here, not wrapped, so that it costs no extra call per event).
+        self.apply_packed: Callable[..., str | None] = self._index.apply_packed
+        self._active = ActiveSequences(self.config.request_ttl_s, clock)
+        #: The uniform draws of decisions (tie-breaks, sampling): seedable.
+        self._rng = rng or random.Random()
         #: Why the last workers that were removed left (worker id → what happened), so
         #: that a router with none left says what became of them.
-        self.departed: dict[int, str] = {}
+        self._departed: dict[int, str] = {}
 
     # -- state from the log ----------------------------------------------------------
 
     def apply_event(self, event: RouterEvent) -> str | None:
         """Apply a router event; returns the counter reason if it was rejected."""
-        return self.index.apply(event)
+        return self._index.apply(event)
 
     def apply_active(self, op: ActiveOp) -> None:
         """Apply an active-sequence op (e.g. from a peer replica)."""
-        self.active.apply(op)
+        self._active.apply(op)
 
     def workers(self) -> list[WorkerKey]:
-        return self.index.workers()
+        return self._index.workers()
 
     def is_active(self, request_id: str) -> bool:
-        return request_id in self.active
+        return request_id in self._active
 
     def active_requests(self) -> int:
-        return len(self.active)
+        return len(self._active)
+
+    # -- the index, read and written through the router (callers never hold it) -------
+
+    def knows(self, worker_id: int) -> bool:
+        """Whether the index knows any rank of the worker."""
+        return self._index.knows(worker_id)
+
+    def keys_of(self, worker_id: int) -> list[WorkerKey]:
+        """Every rank the index knows of a worker (none when it knows none)."""
+        return self._index.keys_of(worker_id)
+
+    def worker_blocks(self, worker_id: int) -> int:
+        """Blocks a worker holds over every rank and tier."""
+        return self._index.worker_blocks(worker_id)
+
+    def tree_sizes(self) -> dict[WorkerKey, dict[Tier, int]]:
+        """Blocks held per known worker rank per tier."""
+        return self._index.tree_sizes()
+
+    def blocks(self, key: WorkerKey, tier: Tier) -> Mapping[int, int]:
+        """A worker rank's blocks on a tier: block hash → sequence hash (read-only)."""
+        return self._index.blocks(key, tier)
+
+    def find_matches_by_tier(
+        self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None
+    ) -> dict[WorkerKey, TierOverlap]:
+        """Per worker rank with any match, the prompt's leading blocks on each tier
+        (TieredIndex.find_matches_by_tier)."""
+        return self._index.find_matches_by_tier(local_hashes, seq_hashes)
+
+    def rejections(self) -> dict[str, int]:
+        """The index's counters of rejected or skipped events (kvstream.router.index.REASONS)."""
+        return dict(self._index.counters)
+
+    def clear_worker(self, worker_id: int) -> None:
+        """Drop every block of a worker (a new incarnation); it stays known."""
+        self._index.clear_worker(worker_id)
+
+    def unindex(self, worker_id: int) -> list[WorkerKey]:
+        """Forget a worker's ranks and blocks, not its load (a batch that only named it,
+        a snapshot's older incarnation); remove_worker is the departure of a worker."""
+        return self._index.remove_worker(worker_id)
+
+    def export_worker(self, worker_id: int) -> list[WorkerBlocks]:
+        """Every block of a worker, per rank and tier (for snapshots and diffs)."""
+        return self._index.export_worker(worker_id)
+
+    def import_worker(self, worker_id: int, parts: Iterable[WorkerBlocks | PackedBlocks]) -> None:
+        """Install an exported worker (it must be unknown)."""
+        self._index.import_worker(worker_id, parts)
+
+    def load(self, key: WorkerKey) -> WorkerLoad | None:
+        """A worker rank's load from routed requests (None: no active request)."""
+        return self._active.load(key)
+
+    def loads_for(self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]) -> list[tuple[bool, int, int, int, int]]:
+        """Per key: (has load, prefill tokens, decode blocks, requests, new blocks of
+        ``seq_hashes``): what a decision reads of the load."""
+        return self._active.loads_for(keys, seq_hashes)
+
+    def learned_rates(self) -> LearnedRates:
+        """What the ttft policy has learned from observed times to first token."""
+        rates = self._active.rates
+        return LearnedRates({k: rates.rate(k) for k in rates.keys()}, rates.fleet_rate(), rates.decode_slowdown())
+
+    def reseed(self, seed: int) -> None:
+        """Restart the stream of uniform draws (tie-breaks, sampling) from ``seed``."""
+        self._rng.seed(seed)
 
     def remove_worker(self, worker_id: int, why: str | None = None) -> list[WorkerKey]:
         """Forget a worker: its blocks on every tier and rank, and its active requests.
         ``why`` (e.g. "expired at …") is what a route says of it once no worker is left."""
-        if not self.index.knows(worker_id):
+        if not self._index.knows(worker_id):
             raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
         self.drop_requests(worker_id)
         if why is not None:
-            self.departed.pop(worker_id, None)
-            self.departed[worker_id] = why
-            while len(self.departed) > DEPARTED_KEPT:
-                del self.departed[next(iter(self.departed))]
-        return self.index.remove_worker(worker_id)
+            self._departed.pop(worker_id, None)
+            self._departed[worker_id] = why
+            while len(self._departed) > DEPARTED_KEPT:
+                del self._departed[next(iter(self._departed))]
+        return self._index.remove_worker(worker_id)
 
     def no_workers(self) -> NoEligibleWorkerError:
         """The error of a route with no worker known, saying what became of the last ones."""
-        gone = [f"worker {wid} {why}" for wid, why in self.departed.items() if not self.index.knows(wid)]
+        gone = [f"worker {wid} {why}" for wid, why in self._departed.items() if not self._index.knows(wid)]
         if not gone:
             return NoEligibleWorkerError("no workers known: none has published an event within its lease")
         return NoEligibleWorkerError("no workers known: " + "; ".join(reversed(gone)))
@@ -153,7 +222,7 @@ class Router:
     def drop_requests(self, worker_id: int) -> list[str]:
         """Forget a removed worker's active requests (its load went with it); returns
         their ids. Replay applies it where the worker was removed among the ops."""
-        return self.active.remove_worker(worker_id)
+        return self._active.remove_worker(worker_id)
 
     # -- requests --------------------------------------------------------------------
 
@@ -176,117 +245,69 @@ class Router:
         keys and the other ranks the index knows of their workers compete, indexed or
         not (a registered worker that has published nothing yet competes with no
         overlap); None: every worker the index knows."""
-        track = request_id is not None and not query_only
-        if candidates is None and not self.index.workers():
+        if candidates is None and not self._index.workers():
             raise self.no_workers()
-        # The kv policy is decided in the compiled core; ttft (kvstream.router.policy)
-        # stays in Python, over the same load (CoreActiveSequences has its interface).
-        # The core hashes plain and LoRA prompts only: a salt or multimodal spans change
-        # the blocks' identity (kvstream.hashing), so those prompts take the Python path.
-        if (
-            isinstance(self.active, CoreActiveSequences)
-            and not cache_salt
-            and not mm
-            and self.scheduler.config.with_overrides(overrides).policy == "kv"
-        ):
-            return self._decide_in_core(token_ids, lora_name, request_id, track, overrides, candidates=candidates)
-        if track and request_id in self.active:
-            raise DuplicateRequestError(f"request {request_id!r} is already active")
-        if isinstance(token_ids, bytes | bytearray | memoryview):  # packed LE u32 ids
-            if len(token_ids) % 4:
-                raise ValueError(f"a binary prompt is little-endian u32 token ids: {len(token_ids)} bytes is not a multiple of 4")
-            token_ids = np.frombuffer(token_ids, "<u4")
-        now = self.clock()
-        block_size = self.config.block_size
-        local, seqs = block_hashes(token_ids, block_size, lora_name, cache_salt=cache_salt, mm=mm)
-        isl = len(token_ids)
-        schedule = self.schedule_hashes(isl, local, seqs, overrides, now, candidates=candidates)
-        winner = schedule.candidates.workers[schedule.chosen]
-        active = self.active
-        op = None
-        if track:
-            assert request_id is not None
-            op = AddRequest(
-                request_id,
-                winner.worker_id,
-                winner.dp_rank,
-                isl,
-                int(schedule.columns.cached_tokens[schedule.chosen]),
-                tuple(seqs),
-                now,
-            )
-            active.apply(op)
-        return RouteDecision(winner, request_id, isl, len(seqs), schedule, op)
+        # A salt changes only the seed; multimodal spans change some blocks' bytes, so
+        # their local hashes are computed here (kvstream.hashing, the one definition)
+        # and the core chains them.
+        local = local_hashes(token_ids, self.config.block_size, lora_name, cache_salt=cache_salt, mm=mm) if mm else None
+        prompt = Prompt(token_ids, identity_seed(lora_name, cache_salt), local)
+        tracked_id = request_id if request_id is not None and not query_only else None
+        return self._decide(prompt, request_id, tracked_id, overrides, candidates)
 
-    def _decide_in_core(
+    def _decide(
         self,
-        token_ids: PromptTokens,
-        lora_name: str | None,
+        prompt: Prompt,
         request_id: str | None,
-        track: bool,
+        tracked_id: str | None,
         overrides: SchedulerOverrides | None,
+        candidates: Sequence[WorkerKey] | None,
+        now: float | None = None,
         max_tokens: int | None = None,
-        *,
-        candidates: Sequence[WorkerKey] | None = None,
+        blocks: int | None = None,
     ) -> RouteDecision:
-        assert isinstance(self.active, CoreActiveSequences)
-        now = self.clock()
+        now = self._clock() if now is None else now
         # The core adds the request when it gets an id; a query-only decision still
-        # names the id it was asked with, as on the Python path.
-        tracked_id = request_id if track else None
-        schedule, seqs, isl = decide_in_core(
-            self.index, self.active, self.scheduler, self.scheduler.config.with_overrides(overrides),
-            self.config.block_size, token_ids, lora_name, tracked_id, now, max_tokens, candidates,
+        # names the id it was asked with.
+        schedule, seqs, isl = decide(
+            self._index, self._active, self._rng, self.config.scheduler.with_overrides(overrides),
+            self.config.block_size, prompt, tracked_id, now, candidates, max_tokens,
         )
         winner = schedule.candidates.workers[schedule.chosen]
         op = None
         if tracked_id is not None and seqs is not None:
             cached = int(schedule.columns.cached_tokens[schedule.chosen])
             op = AddRequest(tracked_id, winner.worker_id, winner.dp_rank, isl, cached, seqs, now)
-        return RouteDecision(winner, request_id, isl, isl // self.config.block_size, schedule, op)
+        blocks = isl // self.config.block_size if blocks is None else blocks
+        return RouteDecision(winner, request_id, isl, blocks, schedule, op)
 
-    def schedule_hashes(
+    def decide_logged(
         self,
         isl: int,
-        local_hashes: Sequence[int],
         seq_hashes: Sequence[int],
+        request_id: str | None,
+        now: float,
         overrides: SchedulerOverrides | None = None,
-        now: float | None = None,
         *,
         candidates: Sequence[WorkerKey] | None = None,
-    ) -> Schedule:
-        """Score every candidate (``candidates`` as in find_best_match) for a prompt
-        given by its block hashes (what find_best_match does after hashing; replay tools
-        call it with logged hashes). Expires old requests first; applies nothing else."""
-        keys = tuple(self.index.workers()) if candidates is None else tuple(self.index.candidate_keys(candidates))
-        if candidates is not None and not keys:  # before expiring, as the core does
-            raise NoEligibleWorkerError("no candidate worker was given")
-        active = self.active
-        active.expire(now)
-        overlaps = self.index.find_matches_by_tier(local_hashes, seq_hashes)
-        get_overlap = overlaps.get
-        n = len(keys)
-        flat = chain.from_iterable  # np.fromiter over flat ints: ~5x np.array(rows)
-        overlap_rows = [get_overlap(k, NO_OVERLAP) for k in keys]
-        sched = self.config.scheduler
-        candidates = Candidates(
-            keys,
-            np.fromiter(flat(overlap_rows), np.int64, 4 * n).reshape(n, 4),
-            np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
-            active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope),
-            active.rates.decode_slowdown(),
-        )
-        return self.scheduler.schedule(isl, self.config.block_size, candidates, overrides)
+    ) -> RouteDecision:
+        """The query-only decision for a prompt given by its length and its blocks'
+        sequence hashes (replay tools: the log keeps no token ids), at ``now``;
+        ``candidates`` as in find_best_match. Expires old requests first; applies
+        nothing else."""
+        seqs = seq_hashes.data if isinstance(seq_hashes, PackedHashes) else list(seq_hashes)
+        prompt = Prompt(isl=isl, sequence_hashes=seqs)
+        return self._decide(prompt, request_id, None, overrides, candidates, now, blocks=len(seq_hashes))
 
     def prefill_done(self, request_id: str) -> PrefillDone:
         """The request's first token came out; returns the op applied (to share)."""
-        op = PrefillDone(request_id, self.clock())
-        self.active.apply(op)
+        op = PrefillDone(request_id, self._clock())
+        self._active.apply(op)
         return op
 
     def free(self, request_id: str) -> FreeRequest:
         """The request finished or was cancelled; returns the op applied (to share)."""
-        op = FreeRequest(request_id, self.clock())
-        self.active.apply(op)
+        op = FreeRequest(request_id, self._clock())
+        self._active.apply(op)
         return op
 

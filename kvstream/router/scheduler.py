@@ -1,85 +1,94 @@
-"""Scheduling (DESIGN.md §5): the cost of sending a request to each candidate, and the
-choice among them.
+"""Scheduling (DESIGN.md §5): its configuration, and the outcome of one decision as
+columns (the compiled core makes it: kvstream.router.core, route.rs).
 
-``worker_logit`` is the reference formula, term by term; lower wins. With
-``policy = "ttft"`` the cost is instead the predicted time to first token in ms
-(kvstream.router.policy); the §5 terms are still computed, for explanations and for the
-load a routed request adds. Temperature 0 takes
+The cost of a candidate is the policy's (kvstream.router.costs): ``worker_logit``'s
+§5 terms, or the predicted time to first token in ms; lower wins. Temperature 0 takes
 the argmin (ties broken uniformly at random), temperature T > 0 samples with
-p ∝ exp(−(l − l_min) / ((l_max − l_min)·T)).
+p ∝ exp(−(l − l_min) / ((l_max − l_min)·T)). The Python reference model of every rule
+is tests/router/reference_router.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, get_type_hints
 
 import numpy as np
 
-from kvstream.router.errors import NoEligibleWorkerError, SchedulerConfigError
+from kvstream.router.costs import POLICIES
+from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
-from kvstream.router.policy import POLICIES, RATE_SCOPES, predicted_ttft
+from kvstream.router.rates import RATE_SCOPES
+
+
+def _option(
+    default: Any,
+    *,
+    per_request: bool = False,
+    setting: bool = True,
+    positive: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A SchedulerConfig field: its default, its bound (a finite number >= 0, or > 0 when
+    ``positive``; one of ``choices``), and where else it appears: a request may
+    override it (``per_request``: SchedulerOverrides, the HTTP ``weights``), it is a
+    ``[router]`` setting (``setting``: kvstream.settings.RouterSettings). Every other
+    definition of the field is derived from this one."""
+    meta = {"per_request": per_request, "setting": setting, "positive": positive, "choices": choices}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Scheduling weights and filters (defaults are the reference's, §5)."""
 
-    overlap_score_credit: float = 1.0
-    host_cache_hit_weight: float = 0.75
-    disk_cache_hit_weight: float = 0.25
-    prefill_load_scale: float = 1.0
-    decode_active_request_weight: float = 0.0
-    router_temperature: float = 0.0
+    overlap_score_credit: float = _option(1.0, per_request=True)
+    host_cache_hit_weight: float = _option(0.75, per_request=True)
+    disk_cache_hit_weight: float = _option(0.25, per_request=True)
+    prefill_load_scale: float = _option(1.0, per_request=True)
+    decode_active_request_weight: float = _option(0.0, per_request=True)
+    router_temperature: float = _option(0.0, per_request=True)
     #: A candidate whose active decode blocks exceed this is busy (None: no limit).
-    max_active_decode_blocks: int | None = None
+    max_active_decode_blocks: int | None = _option(None, per_request=True)
     #: A candidate whose active prefill tokens exceed this is busy (None: no limit).
-    max_active_prefill_tokens: int | None = None
+    max_active_prefill_tokens: int | None = _option(None, per_request=True)
     #: Only these worker ids may be chosen (None: every known worker).
-    allowed_workers: frozenset[int] | None = None
+    allowed_workers: frozenset[int] | None = _option(None, per_request=True, setting=False)
     #: ``kv``: worker_logit (§5, the reference); ``ttft``: the predicted time to first
-    #: token (kvstream.router.policy).
-    policy: str = "kv"
+    #: token (kvstream.router.costs).
+    policy: str = _option("kv", per_request=True, choices=POLICIES)
     #: ttft: prefill throughput assumed for a worker before any is observed (tokens/s).
-    ttft_prior_tokens_per_s: float = 20_000.0
+    ttft_prior_tokens_per_s: float = _option(20_000.0, positive=True)
     #: ttft: cost of onboarding a token from host (G2), and from disk (G3) or external
     #: storage, as a fraction of prefilling it (PCIe ~25 GB/s and NVMe ~5 GB/s against
     #: ~20k tokens/s of compute at 128 KiB of KV per token: the simulator's defaults).
-    ttft_host_onboard_ratio: float = 0.1
-    ttft_disk_onboard_ratio: float = 0.5
+    ttft_host_onboard_ratio: float = _option(0.1)
+    ttft_disk_onboard_ratio: float = _option(0.5)
     #: ttft: weight of the delay a request's uncached prefill puts on later ones (scaled
     #: by the share of candidates with prefill queued).
-    ttft_recompute_weight: float = 0.5
+    ttft_recompute_weight: float = _option(0.5)
     #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
     #: its own ("worker": for a fleet of unequal GPUs).
-    ttft_rate_scope: str = "fleet"
+    ttft_rate_scope: str = _option("fleet", choices=RATE_SCOPES)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "policy":
-                if value not in POLICIES:
-                    raise SchedulerConfigError(
-                        f"policy must be one of {', '.join(POLICIES)}, got {value!r}"
-                    )
-            elif f.name == "ttft_rate_scope":
-                if value not in RATE_SCOPES:
-                    raise SchedulerConfigError(
-                        f"ttft_rate_scope must be one of {', '.join(RATE_SCOPES)}, got {value!r}"
-                    )
-            elif f.name == "ttft_prior_tokens_per_s" and not (
-                isinstance(value, int | float) and math.isfinite(value) and value > 0
-            ):
-                raise SchedulerConfigError(f"{f.name} must be a finite number > 0, got {value!r}")
+            choices = f.metadata["choices"]
+            if choices is not None:
+                if value not in choices:
+                    raise SchedulerConfigError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
             elif f.name == "allowed_workers":
                 if value is not None and not isinstance(value, frozenset):
                     raise SchedulerConfigError(
                         f"allowed_workers must be a frozenset of worker ids, got {value!r}"
                     )
+            elif f.metadata["positive"]:
+                if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                    raise SchedulerConfigError(f"{f.name} must be a finite number > 0, got {value!r}")
             elif value is not None and not (
                 isinstance(value, int | float) and math.isfinite(value) and value >= 0
             ):
@@ -99,20 +108,27 @@ class SchedulerConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerOverrides:
-    """Per-request overrides of :class:`SchedulerConfig`; None keeps the global value."""
+def config_fields(*, per_request: bool = False, setting: bool = False) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """SchedulerConfig's fields (with their resolved types) that a request may override,
+    or that are ``[router]`` settings: what the derived definitions are built from."""
+    hints = get_type_hints(SchedulerConfig)
+    return [
+        (f, hints[f.name])
+        for f in fields(SchedulerConfig)
+        if (per_request and f.metadata["per_request"]) or (setting and f.metadata["setting"])
+    ]
 
-    overlap_score_credit: float | None = None
-    host_cache_hit_weight: float | None = None
-    disk_cache_hit_weight: float | None = None
-    prefill_load_scale: float | None = None
-    decode_active_request_weight: float | None = None
-    router_temperature: float | None = None
-    max_active_decode_blocks: int | None = None
-    max_active_prefill_tokens: int | None = None
-    allowed_workers: frozenset[int] | None = None
-    policy: str | None = None
+
+#: Per-request overrides of :class:`SchedulerConfig` (its per-request fields, each
+#: optional); None keeps the global value.
+SchedulerOverrides = dataclasses.make_dataclass(
+    "SchedulerOverrides",
+    [(f.name, hint | None, field(default=None)) for f, hint in config_fields(per_request=True)],
+    frozen=True,
+    slots=True,
+)
+SchedulerOverrides.__module__ = __name__
+SchedulerOverrides.__doc__ = "Per-request overrides of SchedulerConfig; None keeps the global value."
 
 
 class Candidate(NamedTuple):
@@ -175,19 +191,6 @@ class Candidates:
     #: (n, 5): has load entry (0/1), active prefill tokens, active decode blocks,
     #: active requests, new blocks.
     loads: np.ndarray
-    #: (n,): learned prefill tokens/s per candidate, for the ttft policy (None: its prior).
-    rates: np.ndarray | None = None
-    #: Learned prefill slowdown per active decode block (seconds per token), for ttft.
-    decode_slowdown_s: float = 0.0
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
-        n = len(rows)
-        return cls(
-            tuple(c[0] for c in rows),
-            np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 4),
-            np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
-        )
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -213,74 +216,6 @@ class LogitColumns(NamedTuple):
             float(col[i]) for col in self
         )
         return LogitTerms(credit, int(cached), prefill, prefill_cost, int(decode), request_cost, logit)
-
-
-def worker_logits(
-    cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates
-) -> LogitColumns:
-    """The §5 formula, term by term, for every candidate at once."""
-    dev, host, disk, ext = c.overlaps.T
-    has_load, apt, adb, reqs, new_blocks = c.loads.T
-    credit = (
-        cfg.overlap_score_credit * dev
-        + cfg.host_cache_hit_weight * host
-        + cfg.disk_cache_hit_weight * (disk + ext)
-    )
-    # Round half away from zero (the reference's f64::round); credit >= 0.
-    cached = np.floor(credit * block_size + 0.5)
-    prefill = np.where(
-        has_load != 0,
-        (apt + np.maximum(isl - cached, 0) + cached) / block_size,
-        isl / block_size,
-    )
-    prefill_cost = cfg.prefill_load_scale * np.maximum(0.0, prefill - credit)
-    decode = adb + new_blocks
-    request_cost = cfg.decode_active_request_weight * reqs
-    logit = prefill_cost + decode + request_cost
-    return LogitColumns(credit, cached, prefill, prefill_cost, decode, request_cost, logit)
-
-
-def worker_logit(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate) -> LogitTerms:
-    """The §5 formula for one candidate, term by term."""
-    return worker_logits(cfg, isl, block_size, Candidates.from_rows([c])).row(0)
-
-
-def exclusion(cfg: SchedulerConfig, c: Candidate) -> str | None:
-    """Why a candidate may not take the request (filters of §5), or None."""
-    if cfg.allowed_workers is not None and c.worker.worker_id not in cfg.allowed_workers:
-        return "not in allowed_workers"
-    limit = cfg.max_active_decode_blocks
-    if limit is not None and c.active_decode_blocks > limit:
-        return f"busy: {c.active_decode_blocks} active decode blocks > {limit}"
-    limit = cfg.max_active_prefill_tokens
-    if limit is not None and c.active_prefill_tokens > limit:
-        return f"busy: {c.active_prefill_tokens} active prefill tokens > {limit}"
-    return None
-
-
-def probabilities(logits: Sequence[float], temperature: float) -> list[float]:
-    """Selection probabilities of §5 (temperature 0: uniform over the minima)."""
-    lo, hi = min(logits), max(logits)
-    if temperature == 0 or lo == hi:
-        ties = sum(1 for x in logits if x == lo)
-        return [1.0 / ties if x == lo else 0.0 for x in logits]
-    scale = (hi - lo) * temperature
-    weights = [math.exp(-(x - lo) / scale) for x in logits]
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def _draw(probs: Sequence[float], rng: random.Random) -> int:
-    r = rng.random()
-    acc = 0.0
-    last = 0
-    for i, p in enumerate(probs):
-        if p > 0:
-            acc += p
-            last = i
-            if r < acc:
-                return i
-    return last  # rounding left r just above the running sum
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,71 +259,3 @@ class Schedule:
     def scores(self) -> tuple[CandidateScore, ...]:
         """Every candidate, flat."""
         return tuple(self.score(i) for i in range(len(self.candidates)))
-
-
-class Scheduler:
-    """Scores candidates and picks one. ``rng`` makes tie-breaks and sampling seedable."""
-
-    def __init__(self, config: SchedulerConfig | None = None, rng: random.Random | None = None):
-        self.config = config or SchedulerConfig()
-        self.rng = rng or random.Random()
-
-    def schedule(
-        self,
-        isl: int,
-        block_size: int,
-        candidates: Candidates | Sequence[Candidate],
-        overrides: SchedulerOverrides | None = None,
-    ) -> Schedule:
-        """Score every candidate and choose one.
-
-        Raises NoEligibleWorkerError (saying why) when none may take the request.
-        """
-        cfg = self.config.with_overrides(overrides)
-        if not len(candidates):
-            raise NoEligibleWorkerError("no workers known: none has published an event within its lease")
-        if not isinstance(candidates, Candidates):
-            candidates = Candidates.from_rows(candidates)
-        columns = worker_logits(cfg, isl, block_size, candidates)
-        if cfg.policy == "ttft":
-            columns = columns._replace(logit=predicted_ttft(cfg, isl, block_size, candidates) * 1000.0)
-        n = len(candidates)
-        filtered = (
-            cfg.allowed_workers is not None
-            or cfg.max_active_decode_blocks is not None
-            or cfg.max_active_prefill_tokens is not None
-        )
-        if filtered:
-            rows = [candidates[i] for i in range(n)]
-            excluded = tuple(exclusion(cfg, c) for c in rows)
-            eligible = [i for i, r in enumerate(excluded) if r is None]
-            if not eligible:
-                raise NoEligibleWorkerError(_why_none(cfg, rows, excluded))
-            logits = columns.logit[eligible].tolist()
-        else:
-            excluded = (None,) * n
-            eligible = range(n)
-            logits = columns.logit.tolist()
-        probs = probabilities(logits, cfg.router_temperature)
-        chosen = eligible[_draw(probs, self.rng)]
-        all_probs = [0.0] * n
-        for i, p in zip(eligible, probs):
-            all_probs[i] = p
-        return Schedule(candidates, columns, tuple(all_probs), excluded, chosen, cfg)
-
-
-def _why_none(
-    cfg: SchedulerConfig, candidates: Sequence[Candidate], reasons: Sequence[str | None]
-) -> str:
-    if cfg.allowed_workers is not None and all(
-        c.worker.worker_id not in cfg.allowed_workers for c in candidates
-    ):
-        known = sorted({c.worker.worker_id for c in candidates})
-        return (
-            f"none of the allowed workers {sorted(cfg.allowed_workers)} is known "
-            f"(known: {known})"
-        )
-    detail = "; ".join(
-        f"{c.worker.worker_id}/{c.worker.dp_rank}: {r}" for c, r in zip(candidates, reasons)
-    )
-    return f"all {len(candidates)} candidates are excluded: {detail}"

@@ -29,7 +29,7 @@ _nudges = itertools.count(100_000, 16)
 def overlap(env: Env, worker_id: int, toks: list[int]) -> TierOverlap:  # noqa: F811
     local, seqs = block_hashes(toks, 16)
     with env.replica.lock:
-        found = env.replica.router.index.find_matches_by_tier(local, seqs)
+        found = env.replica.router.find_matches_by_tier(local, seqs)
     return found.get(WorkerKey(worker_id, 0), NO_OVERLAP)
 
 

@@ -306,7 +306,7 @@ class Rig:
         local, seqs = block_hashes(toks, 16, lora_name, cache_salt=cache_salt, mm=mm)
         replica = self.env.replica
         with replica.lock:
-            found = replica.router.index.find_matches_by_tier(local, seqs)
+            found = replica.router.find_matches_by_tier(local, seqs)
         return found.get(WorkerKey(self.worker_id, rank), NO_OVERLAP)
 
     def sees(self, toks: list[int], expected: TierOverlap, rank: int = 0, **identity: Any) -> None:

@@ -238,7 +238,7 @@ def test_eagle_pages_sglang(env: Env, sglang: EngineKit) -> None:
 
         def positions() -> list[int]:
             with env.replica.lock:
-                return sorted(env.replica.router.index.blocks(WorkerKey(r.worker_id, 0), Tier.DEVICE).values())
+                return sorted(env.replica.router.blocks(WorkerKey(r.worker_id, 0), Tier.DEVICE).values())
 
         eventually(positions, want)
 
@@ -268,7 +268,7 @@ def test_lookahead_tokens_vllm(env: Env, vllm: EngineKit) -> None:
 
         def positions() -> list[int]:
             with env.replica.lock:
-                return sorted(env.replica.router.index.blocks(WorkerKey(r.worker_id, 0), Tier.DEVICE).values())
+                return sorted(env.replica.router.blocks(WorkerKey(r.worker_id, 0), Tier.DEVICE).values())
 
         eventually(positions, want)
         assert r.overlap(T) == NO_OVERLAP  # plain prompts do not match EAGLE-window blocks

@@ -240,7 +240,7 @@ def test_fuzzed_records_and_requests(kafka_topics_factory) -> None:
             assert client.get("/readyz").status_code == 200
         with r.lock:
             after = comparable(r.fold)
-            counters = Counter(r.fold.counters) + Counter(r.router.index.counters)
+            counters = Counter(r.fold.counters) + Counter(r.router.rejections())
             dlq_count = r.metrics.dlq._value.get()
             http_errors = {c: r.metrics.http_errors.labels(status=str(c))._value.get() for c in statuses}
         assert http_errors == dict(statuses), "every 4xx is counted"
@@ -284,6 +284,6 @@ def test_rejected_events_do_not_make_a_worker_routable() -> None:
     orphan = w.stored(tokens, start_block=2)  # its parent was never stored
     for offset, value in enumerate([w.batch(orphan), w.batch(w.removed(tokens)), w.batch(orphan, w.removed(tokens))]):
         fold.apply_record(0, offset, offset, value)
-        assert not fold.router.index.knows(9) and fold.router.workers() == []
+        assert not fold.router.knows(9) and fold.router.workers() == []
     fold.apply_record(0, 3, 3, w.batch(w.stored(tokens)))
-    assert fold.router.index.knows(9)
+    assert fold.router.knows(9)

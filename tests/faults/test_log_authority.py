@@ -213,7 +213,7 @@ def test_rogue_block_floods_are_bounded_per_event_and_per_worker(kafka_topics: S
     try:
         wait_caught_up(r, kafka_topics)
         with r.lock:
-            held = {wid: r.router.index.worker_blocks(wid) for wid in range(80, 89)}
+            held = {wid: r.router.worker_blocks(wid) for wid in range(80, 89)}
             assert r.fold.counters[EVENT_TOO_LARGE] == 9 and r.fold.counters[WORKER_FULL] == 9 * 4
         assert held == {wid: 1_500 for wid in range(80, 89)}
         assert r.metrics.dlq._value.get() == 9  # one DLQ copy per batch, every reason in it
@@ -240,6 +240,6 @@ def test_a_record_from_the_future_cannot_expire_a_partition(kafka_topics: Settin
     try:
         wait_caught_up(r, kafka_topics)
         with r.lock:
-            assert r.router.index.worker_blocks(74) == 4 and r.fold.counters["worker_expired"] == 0
+            assert r.router.worker_blocks(74) == 4 and r.fold.counters["worker_expired"] == 0
     finally:
         r.stop()

@@ -75,7 +75,7 @@ def test_oversized_records_are_referenced_and_ingest_goes_on(kafka_topics: Setti
     try:
         wait_caught_up(r, kafka_topics)
         with r.lock:
-            assert r.router.index.worker_blocks(REAL) == 128
+            assert r.router.worker_blocks(REAL) == 128
             assert r.fold.counters[EVENT_TOO_LARGE] == 2
         assert r.ready and not r.not_ready_reasons()
         assert r.metrics.dlq_referenced._value.get() == 2
@@ -93,7 +93,7 @@ def test_oversized_records_are_referenced_and_ingest_goes_on(kafka_topics: Setti
     try:
         wait_caught_up(r, kafka_topics)
         with r.lock:
-            assert r.router.index.worker_blocks(REAL) == 128
+            assert r.router.worker_blocks(REAL) == 128
         assert r.metrics.produce_refused.labels(what="dlq", error="MSG_SIZE_TOO_LARGE")._value.get() == 2
         assert r.ready
     finally:
@@ -120,7 +120,7 @@ def test_oversized_records_are_referenced_and_ingest_goes_on(kafka_topics: Setti
     try:
         wait_caught_up(fresh, kafka_topics)
         with fresh.lock:
-            assert fresh.router.index.worker_blocks(REAL) == 128
+            assert fresh.router.worker_blocks(REAL) == 128
     finally:
         fresh.stop()
     agrees_with_log(fresh, kafka_topics)

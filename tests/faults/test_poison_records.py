@@ -150,7 +150,7 @@ def test_poison_keys_and_headers_stop_no_replica(kafka_topics_factory, tmp_path)
         time.sleep(1.0)  # what a failing ingest thread would need to give up (2 failures)
         _up(live)
         with live.lock:
-            known = {w for w in wids if live.router.index.knows(w)}
+            known = {w for w in wids if live.router.knows(w)}
             counters = Counter(live.fold.counters)
             status = dict(live._worker_status)
         # Headers are advisory: every batch applied whatever its headers; a key other

@@ -53,7 +53,7 @@ def test_two_replicas_same_ids_never_free_each_other(kafka_topics: Settings) -> 
         wait_peer_ops(a, len(IDS))
         wait_peer_ops(b, len(IDS))
         with a.lock, b.lock:
-            held = (len(a.router.active), len(b.router.active))  # each should carry both loads
+            held = (a.router.active_requests(), b.router.active_requests())  # each should carry both loads
         for rid in IDS:
             assert ca.delete(f"/v1/requests/{rid}").status_code == 200
         wait_peer_ops(b, 2 * len(IDS))
@@ -62,7 +62,7 @@ def test_two_replicas_same_ids_never_free_each_other(kafka_topics: Settings) -> 
         assert held == (2 * len(IDS), 2 * len(IDS)) and freed_by_other == 0
         wait_peer_ops(a, 2 * len(IDS))
         with a.lock, b.lock:
-            assert len(a.router.active) == len(b.router.active) == 0
+            assert a.router.active_requests() == b.router.active_requests() == 0
         # Unsafe ids are refused where they come in, so every accepted id can be freed.
         for bad in ("a/b", "a b", "x" * 129, "é", "../x", ""):
             r = ca.post("/v1/route", json={"token_ids": TOKENS, "request_id": bad})

@@ -319,8 +319,8 @@ def test_a_snapshot_of_another_topic_is_refused(kafka_topics_factory, tmp_path: 
     try:
         wait_caught_up(r, y)
         with r.lock:
-            assert 81 not in r.fold.workers and not r.router.index.knows(81)
-            assert r.router.index.worker_blocks(82) > 0
+            assert 81 not in r.fold.workers and not r.router.knows(81)
+            assert r.router.worker_blocks(82) > 0
         assert r.metrics.snapshot_fallbacks.labels(skipped="foreign")._value.get() == 1
         assert any("written for topic" in n for n in r.recovery_notes), r.recovery_notes
     finally:
@@ -373,10 +373,10 @@ def test_block_floods_meet_the_default_worker_limit_and_the_fleet_budget(kafka_t
         wait_caught_up(r, kafka_topics)
         wait_caught_up(b, kafka_topics)
         with r.lock:
-            rogue = r.router.index.worker_blocks(90)
+            rogue = r.router.worker_blocks(90)
             worker_limit = r.fold.counters[WORKER_FULL]
         with b.lock:
-            fleet = {wid: b.router.index.worker_blocks(wid) for wid in (90, 91, 92, 93)}
+            fleet = {wid: b.router.worker_blocks(wid) for wid in (90, 91, 92, 93)}
             fleet_limit = b.fold.counters[PARTITION_FULL]
     finally:
         r.stop()
@@ -530,7 +530,7 @@ def test_a_deleted_snapshot_directory_fails_commits_and_is_made_again(kafka_topi
         fold, _, _ = restore(store)  # what a restart would load: the whole log
     finally:
         store.close()
-    assert fold.router.index.worker_blocks(78) == 9 and failures >= 1
+    assert fold.router.worker_blocks(78) == 9 and failures >= 1
     print(f"FAULTS snapshot_dir_deleted failed_commits={failures:.0f} blocks_after_restart=9")
 
 

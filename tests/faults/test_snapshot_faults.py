@@ -218,7 +218,7 @@ def test_failed_blob_write_never_leaves_a_stale_pointer(tmp_path: Path) -> None:
     gen, got, skipped = restored_state(store)
     store.close()
     assert not skipped and got == state(fold)
-    blocks = {k.worker_id: sum(len(p.block_hashes) for p in fold.router.index.export_worker(k.worker_id)) for k in fold.router.index.workers()}
+    blocks = {k.worker_id: sum(len(p.block_hashes) for p in fold.router.export_worker(k.worker_id)) for k in fold.router.workers()}
     assert blocks[1] == 2000
 
 

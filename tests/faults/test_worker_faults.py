@@ -59,7 +59,7 @@ def store(cons: Consolidator, first: int, n: int, rank: int = 0) -> None:
 def blocks(fold: LogFold, wid: int) -> set[tuple[int, str, int]]:
     return {
         (p.dp_rank, p.tier.value, h)
-        for p in fold.router.index.export_worker(wid)
+        for p in fold.router.export_worker(wid)
         for h in p.block_hashes
     }
 
@@ -101,7 +101,7 @@ def test_worker_killed_without_cleared_expires_after_its_lease(kafka_topics: Set
         with r.lock:
             assert len(blocks(r.fold, 41)) == 6 and r.fold.counters[EXPIRED] == 0
         # Killed: no `cleared`, no heartbeat; only the replica's ticks move log time.
-        gone_after = until(lambda: not r.router.index.knows(41), "lease expiry")
+        gone_after = until(lambda: not r.router.knows(41), "lease expiry")
         with r.lock:
             assert 41 not in r.fold.workers and r.fold.counters[EXPIRED] == 1
     finally:
@@ -207,8 +207,8 @@ def _heal_after_loss(settings: Settings, snap: Path, lose: Callable[[], None], n
             wait_caught_up(r, settings)
             time.sleep(1.0)  # several lag updates: caught up, yet not ready
             with r.lock:
-                assert not r.router.index.knows(44) and 44 not in r.fold.workers
-                assert not r.router.index.workers()  # nothing of the lost log is served
+                assert not r.router.knows(44) and 44 not in r.fold.workers
+                assert not r.router.workers()  # nothing of the lost log is served
             ready_unhealed = _ready_status(r)
             assert ready_unhealed == 503 and not r.ready, "ready while a dropped worker has not resynced"
             epoch = pub.epoch
@@ -291,7 +291,7 @@ def test_a_dropped_worker_that_never_resyncs_delays_readiness_only_for_the_wait(
         waited = time.monotonic() - t0
         assert any("did not resync within" in n for n in r.recovery_notes), r.recovery_notes
         with r.lock:
-            assert not r.router.index.knows(45)
+            assert not r.router.knows(45)
     finally:
         r.stop()
     assert waited >= wait_s

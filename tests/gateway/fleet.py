@@ -139,7 +139,7 @@ def publish_prefix(replica: Replica, worker_id: int, token_ids: list[int], lora:
 def load_of(replica: Replica, worker_id: int) -> int:
     """Active requests the replica counts on the worker."""
     with replica.lock:
-        load = replica.router.active.load(WorkerKey(worker_id, 0))
+        load = replica.router.load(WorkerKey(worker_id, 0))
     return 0 if load is None else load.requests
 
 

@@ -66,7 +66,7 @@ def test_streamed_and_whole_answers_reach_the_sdk_and_load_returns_to_zero(repli
         assert metric(s, "kvstream_gateway_ttft_seconds_count", model=MODEL) == 3
         # The ttft policy learned prefill rates from the first-token times.
         with replica.lock:
-            assert replica.router.active.rates.fleet_rate() is not None
+            assert replica.router.learned_rates().fleet is not None
 
 
 def test_body_is_forwarded_byte_for_byte_and_headers_are_filtered(replica: Replica) -> None:

@@ -66,7 +66,7 @@ def test_console_consumer_reads_the_whole_events_topic(kafka_topics: Settings) -
             cons.on_source_event(SourceStored(Tier.DEVICE, 0, None, tuple(range(100 * n, 100 * n + 8)), tuple(TOKENS)))
         run_for(1.0, live, dying)
         assert dying[0].close() == 0  # dies: no cleared, no more heartbeats
-        until(lambda: all(not r.router.index.knows(8) for r in replicas), "worker 8's lease to expire")
+        until(lambda: all(not r.router.knows(8) for r in replicas), "worker 8's lease to expire")
         run_for(0.5, live)
         assert live[0].close() == 0
         for r in replicas:

@@ -37,7 +37,7 @@ def fold_with(**kw) -> LogFold:
 
 
 def blocks(fold: LogFold, wid: int) -> int:
-    return fold.router.index.worker_blocks(wid)
+    return fold.router.worker_blocks(wid)
 
 
 def test_an_epoch_far_ahead_of_its_record_cannot_lock_a_worker_out() -> None:
@@ -65,7 +65,7 @@ def test_key_allow_list_and_lease_are_checked() -> None:
     assert fold.apply_record(0, 2, T0, x.batch(x.cleared()), key=worker_key(3)).dlq_reason.startswith(NOT_ALLOWED)
     long = FakeWorkerLog(2, lease_ms=10**9)
     assert fold.apply_record(0, 3, T0, long.batch(long.cleared()), key=worker_key(2)).dlq_reason.startswith(LEASE_TOO_LONG)
-    assert not fold.workers and not fold.router.index.workers()
+    assert not fold.workers and not fold.router.workers()
     assert fold.counters[KEY_MISMATCH] == 2 and fold.counters[NOT_ALLOWED] == 1 and fold.counters[LEASE_TOO_LONG] == 1
     assert fold.apply_record(0, 4, T0, w.batch(w.cleared(), w.stored(TOKENS)), key=worker_key(1)).dlq_reason is None
     assert blocks(fold, 1) == 8

@@ -15,7 +15,7 @@ TOKENS = list(range(16 * 8))
 
 
 def device_match(fold, tokens=TOKENS) -> dict:
-    return {k: m.device for k, m in fold.router.index.find_matches_by_tier(local_hashes(tokens)).items()}
+    return {k: m.device for k, m in fold.router.find_matches_by_tier(local_hashes(tokens)).items()}
 
 
 def test_applies_and_tracks_offsets() -> None:
@@ -98,12 +98,12 @@ def test_cleared_wipes_its_rank_and_tier_only() -> None:
     fold = new_fold()
     w = FakeWorkerLog(5, ranks=2)
     fold.apply_record(0, 0, 1, w.batch(w.cleared(0), w.cleared(1), w.stored(TOKENS, 0), w.stored(TOKENS, 1, Tier.HOST_PINNED)))
-    m = fold.router.index.find_matches_by_tier(local_hashes(TOKENS))
+    m = fold.router.find_matches_by_tier(local_hashes(TOKENS))
     assert m == {WorkerKey(5, 0): TierOverlap(8, 0, 0, 0), WorkerKey(5, 1): TierOverlap(0, 8, 0, 0)}
     fold.apply_record(0, 1, 2, w.batch(w.cleared(1)))  # rank 1's device tier: nothing there
-    assert fold.router.index.find_matches_by_tier(local_hashes(TOKENS)) == m
+    assert fold.router.find_matches_by_tier(local_hashes(TOKENS)) == m
     fold.apply_record(0, 2, 3, w.batch(w.cleared(1, Tier.HOST_PINNED)))
-    assert fold.router.index.find_matches_by_tier(local_hashes(TOKENS)) == {WorkerKey(5, 0): TierOverlap(8, 0, 0, 0)}
+    assert fold.router.find_matches_by_tier(local_hashes(TOKENS)) == {WorkerKey(5, 0): TierOverlap(8, 0, 0, 0)}
 
 
 def test_same_records_same_state_whatever_the_partition_interleaving() -> None:
@@ -130,6 +130,6 @@ def test_same_records_same_state_whatever_the_partition_interleaving() -> None:
             ts, value = logs[p][pos[p]]
             fold.apply_record(p, pos[p], ts, value)
             pos[p] += 1
-        return fold.router.index.tree_sizes(), sorted(fold.workers), dict(fold.counters)
+        return fold.router.tree_sizes(), sorted(fold.workers), dict(fold.counters)
 
     assert run(1) == run(2) == run(3)

@@ -11,6 +11,7 @@ of unknown blocks, events past the authority's limits, leases running out.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from hypothesis import given, settings
@@ -72,7 +73,7 @@ def logs(draw: st.DrawFn) -> list[tuple[int, int, bytes | None, bytes | None, bo
 
 
 def state(fold: LogFold) -> Any:
-    index = fold.router.index
+    index = fold.router
     workers = {
         w: (log.partition, log.epoch, log.lease_ms, log.last_seen_ms, dict(log.last_ids),
             {r: dict(seen) for r, seen in log.recent.items()}, log.stored)
@@ -81,7 +82,7 @@ def state(fold: LogFold) -> Any:
     blocks = {
         (k, t): dict(index.blocks(k, t)) for k in index.workers() for t in (Tier.DEVICE, Tier.HOST_PINNED)
     }
-    return workers, +fold.counters, +index.counters, index.tree_sizes(), blocks, fold.dirty, fold.next_offsets()
+    return workers, +fold.counters, +Counter(index.rejections()), index.tree_sizes(), blocks, fold.dirty, fold.next_offsets()
 
 
 @given(logs())

@@ -22,7 +22,7 @@ TOKENS = list(range(16 * 4))
 
 def _requests(replica: Replica) -> int:
     with replica.lock:
-        load = replica.router.active.load(WorkerKey(1, 0))
+        load = replica.router.load(WorkerKey(1, 0))
     return 0 if load is None else load.requests
 
 
@@ -47,7 +47,7 @@ def test_prefill_done_and_free_reach_the_owner_from_any_replica(kafka_topics: Se
         _until(lambda: b.post("/v1/requests/r1/prefill_done").status_code == 200, "b never took r1's prefill_done")
         def decoding(r: Replica) -> bool:
             with r.lock:
-                return r.router.active.load(WorkerKey(1, 0)).prefill_tokens == 0
+                return r.router.load(WorkerKey(1, 0)).prefill_tokens == 0
 
         _until(lambda: all(decoding(r) for r in replicas), "the owner and the others never saw r1 decoding")
         assert b.delete("/v1/requests/r1").status_code == 200

@@ -218,7 +218,7 @@ def test_placed_request_loads_worker_on_other_replica(kafka_topics: Settings) ->
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with b.lock:
-                load = b.router.active.load(key)
+                load = b.router.load(key)
             if load is not None:
                 break
             time.sleep(0.05)
@@ -227,7 +227,7 @@ def test_placed_request_loads_worker_on_other_replica(kafka_topics: Settings) ->
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with b.lock:
-                load = b.router.active.load(key)
+                load = b.router.load(key)
             if load is None or load.requests == 0:
                 break
             time.sleep(0.05)

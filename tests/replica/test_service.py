@@ -89,7 +89,7 @@ def test_bad_requests_get_4xx_json(served, body, reason) -> None:
     r = client.post("/v1/route", json=body)
     assert r.status_code == 422 and r.json()["error"] == "invalid request", r.text
     assert any(reason in f"{d['msg']} - at {d['loc']}" for d in r.json()["details"]), r.text
-    assert len(replica.router.active) == 0
+    assert replica.router.active_requests() == 0
     assert client.get("/healthz").status_code == 200
 
 

@@ -27,7 +27,7 @@ def test_binary_body_decides_as_json_and_tracks_the_request(served) -> None:  # 
     assert r.json() == want
     r = client.post("/v1/route?request_id=b1", content=packed(TOKENS), headers=BINARY)
     assert r.status_code == 200 and r.json()["worker_id"] == 1
-    assert len(replica.router.active) == 1  # tracked (under the replica's scope)
+    assert replica.router.active_requests() == 1  # tracked (under the replica's scope)
     assert client.post("/v1/route?request_id=b1", content=packed(TOKENS), headers=BINARY).status_code == 409
     assert client.delete("/v1/requests/b1").status_code == 200
     # The ttft policy (decided in Python) takes binary bodies too.
@@ -56,5 +56,5 @@ def test_bad_binary_bodies_get_4xx_with_the_reason(served, path, body, status, r
     r = client.post(path, content=body, headers=BINARY)
     assert r.status_code == status, r.text
     assert reason in r.text
-    assert len(replica.router.active) == 0
+    assert replica.router.active_requests() == 0
     assert client.get("/healthz").status_code == 200

@@ -67,7 +67,7 @@ def feed(fold, logs, upto: dict[int, int] | None = None, start: dict[int, int] |
 
 
 def state(fold):
-    index = fold.router.index
+    index = fold.router
     workers = {}
     for wid in sorted({k.worker_id for k in index.workers()}):
         workers[wid] = sorted(
@@ -80,7 +80,7 @@ def state(fold):
 
 
 def matches(fold, prefixes):
-    return [fold.router.index.find_matches_by_tier(local_hashes(p)) for p in prefixes]
+    return [fold.router.find_matches_by_tier(local_hashes(p)) for p in prefixes]
 
 
 def snapshot(tmp_path, fold, name="snap", base=None):

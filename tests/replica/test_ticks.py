@@ -80,6 +80,6 @@ def test_old_and_new_ticks_fold_alike() -> None:
         out = fold.apply_record(0, 1, 11_001, value, is_tick=True)
         assert out == F.Outcome() and fold.next_offsets()[0] == 2
         outcomes.append((sorted(fold.workers), fold.counters[F.EXPIRED],
-                         fold.router.index.find_matches_by_tier(local_hashes(TOKENS))))
+                         fold.router.find_matches_by_tier(local_hashes(TOKENS))))
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][0] == [2] and outcomes[0][1] == 1

@@ -1,5 +1,6 @@
 """Active sequences (DESIGN.md §6): load per worker, shared blocks once, expiry; the
-Python reference and the compiled core (kvstream.router.core) alike."""
+Python reference model (tests/router/reference_router.py) and the compiled core
+(kvstream.router.active) alike."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from kvstream.router.active import (
     PrefillDone,
     WorkerLoad,
 )
-from kvstream.router.core import CoreActiveSequences
 from kvstream.router.errors import DuplicateRequestError, UnknownRequestError
 from kvstream.router.index import WorkerKey
+
+from .reference_router import ActiveSequences as ReferenceActiveSequences
 
 W0, W1 = WorkerKey(1, 0), WorkerKey(1, 1)
 CHAIN = tuple(sequence_hashes(list(range(100, 110))))  # 10 blocks
@@ -40,7 +42,7 @@ def add(rid: str, key: WorkerKey, isl: int, overlap: int, hashes: tuple[int, ...
 
 
 
-@pytest.fixture(params=[ActiveSequences, CoreActiveSequences], ids=["reference", "core"])
+@pytest.fixture(params=[ReferenceActiveSequences, ActiveSequences], ids=["reference", "core"])
 def Active(request: pytest.FixtureRequest) -> type:  # noqa: N802 (a class)
     return request.param
 

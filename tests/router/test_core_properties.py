@@ -1,8 +1,9 @@
-"""The kv decision in the compiled core (kvstream.router.core, route.rs) against the
-Python reference model (active.py + scheduler.py, ``RouterConfig(compiled=False)``):
-random fleets and request sequences, the same candidates, the same logit terms bit for
-bit, the same probabilities and the same choice for the same seed, and the same load
-after every step."""
+"""The decision in the compiled core (kvstream.router.core, route.rs) against the
+Python reference model (tests/router/reference_router.py): random fleets and request
+sequences, plain, LoRA, salted and multimodal prompts, both policies (kv, and ttft at
+the rates learned from the same ops), the same candidates, the same terms and costs
+bit for bit, the same exclusion reasons and errors, the same probabilities and the same
+choice for the same seed, and the same load and learned rates after every step."""
 
 from __future__ import annotations
 
@@ -15,13 +16,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream.events.model import Removed, Stored, Tier
-from kvstream.hashing import local_hashes
+from kvstream.hashing import MmSpan, local_hashes
 from kvstream.router import Router, RouterConfig, SchedulerConfig, SchedulerOverrides, WorkerKey
-from kvstream.router.core import CoreActiveSequences
+from kvstream.router.core import Prompt
 from kvstream.router.errors import NoEligibleWorkerError, RouterError
 from kvstream.router.router import RouteDecision
+from kvstream.router.scheduler import Schedule
+
+from .reference_router import ReferenceRouter
 
 BS = 4
+#: Cache salts of stored blocks and prompts (None and "" mean none).
+SALTS = (None, None, "", "tenant-a")
+LORAS = (None, None, "adapter-1")
 TIERS = (Tier.DEVICE, Tier.HOST_PINNED, Tier.DISK, Tier.EXTERNAL)
 
 
@@ -53,7 +60,8 @@ def fleet_events(rng: random.Random, convs: list[list[int]]) -> list[object]:
         conv = rng.choice(convs)
         k = rng.randrange(1, len(conv) // BS + 1)
         hashes = tuple(next(ids) for _ in range(k))
-        events.append(Stored(worker, rank, tier, 0, 0, None, hashes, tuple(local_hashes(conv[: k * BS], BS))))
+        local = local_hashes(conv[: k * BS], BS, rng.choice(LORAS), cache_salt=rng.choice(SALTS))
+        events.append(Stored(worker, rank, tier, 0, 0, None, hashes, tuple(local)))
         held.setdefault((worker, rank, tier), []).extend(hashes)
         if rng.random() < 0.2:
             w, r, t = rng.choice(list(held))
@@ -70,7 +78,22 @@ def config(rng: random.Random) -> SchedulerConfig:
         prefill_load_scale=rng.choice([1.0, 0.5, 3.0]),
         decode_active_request_weight=rng.choice([0.0, 0.0, 1.5]),
         router_temperature=rng.choice([0.0, 0.0, 0.3, 1.0]),
+        policy=rng.choice(["kv", "ttft"]),
+        ttft_prior_tokens_per_s=rng.choice([20_000.0, 3_000.0]),
+        ttft_host_onboard_ratio=rng.choice([0.1, 0.4]),
+        ttft_disk_onboard_ratio=rng.choice([0.5, 0.9]),
+        ttft_recompute_weight=rng.choice([0.5, 0.0, 2.0]),
+        ttft_rate_scope=rng.choice(["fleet", "worker"]),
     )
+
+
+def mm_spans(rng: random.Random, n_tokens: int) -> list[MmSpan]:
+    if rng.random() < 0.7 or n_tokens == 0:
+        return []
+    return [
+        MmSpan(rng.randrange(2**64), off, rng.randrange(1, 2 * BS))
+        for off in sorted(rng.sample(range(n_tokens), min(n_tokens, rng.randrange(1, 3))))
+    ]
 
 
 def overrides(rng: random.Random) -> SchedulerOverrides | None:
@@ -81,11 +104,17 @@ def overrides(rng: random.Random) -> SchedulerOverrides | None:
         return SchedulerOverrides(max_active_decode_blocks=rng.randrange(0, 20), router_temperature=0.5)
     if roll == 2:
         return SchedulerOverrides(max_active_prefill_tokens=rng.randrange(0, 40))
+    if roll == 3:
+        return SchedulerOverrides(policy=rng.choice(["kv", "ttft"]))
     return None
 
 
 def same_decision(a: RouteDecision, b: RouteDecision) -> None:
-    sa, sb = a.schedule, b.schedule
+    same_schedule(a.schedule, b.schedule)
+    assert (a.worker, a.isl, a.blocks, a.op) == (b.worker, b.isl, b.blocks, b.op)
+
+
+def same_schedule(sa: Schedule, sb: Schedule) -> None:
     assert sa.candidates.workers == sb.candidates.workers
     assert np.array_equal(sa.candidates.overlaps, sb.candidates.overlaps)
     assert np.array_equal(sa.candidates.loads, sb.candidates.loads)
@@ -94,7 +123,7 @@ def same_decision(a: RouteDecision, b: RouteDecision) -> None:
         assert np.asarray(ca, np.float64).tobytes() == np.asarray(cb, np.float64).tobytes(), name
     assert sa.probabilities == sb.probabilities
     assert sa.excluded == sb.excluded
-    assert (sa.chosen, a.worker, a.isl, a.blocks, a.op) == (sb.chosen, b.worker, b.isl, b.blocks, b.op)
+    assert sa.chosen == sb.chosen
     assert sa.config == sb.config
 
 
@@ -105,9 +134,8 @@ def test_core_decides_as_the_reference(seed: int) -> None:
     convs = conversations(rng)
     cfg = config(rng)
     clock = Clock()
-    ref = Router(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0, compiled=False), clock=clock, rng=random.Random(seed))
+    ref = ReferenceRouter(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0), clock=clock, rng=random.Random(seed))
     core = Router(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0), clock=clock, rng=random.Random(seed))
-    assert isinstance(core.active, CoreActiveSequences)
     for ev in fleet_events(rng, convs):
         assert ref.apply_event(ev) == core.apply_event(ev)  # type: ignore[arg-type]
     active: list[str] = []
@@ -125,22 +153,31 @@ def test_core_decides_as_the_reference(seed: int) -> None:
                 WorkerKey(w, r) for w, r in rng.sample([(w, r) for w in range(9) for r in (0, 1)], rng.randrange(4))
             ]
             given.update(cands or ())
+            how = {"lora_name": rng.choice(LORAS), "cache_salt": rng.choice(SALTS), "mm": mm_spans(rng, len(prompt))}
             try:
-                want = ref.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
+                want = ref.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands, **how)
             except RouterError as exc:
                 with pytest.raises(type(exc)) as got_exc:
-                    core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
+                    core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands, **how)
                 assert str(got_exc.value) == str(exc)
                 if isinstance(exc, NoEligibleWorkerError):
                     # The core draws its uniform before knowing none is eligible; the
                     # reference draws none: realign the streams.
-                    ref.scheduler.rng.seed(step)
-                    core.scheduler.rng.seed(step)
+                    ref.reseed(step)
+                    core.reseed(step)
                 continue
-            got = core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands)
+            got = core.find_best_match(prompt, request_id=rid, query_only=query_only, overrides=ov, candidates=cands, **how)
             same_decision(want, got)
             if want.op is not None:
                 active.append(want.op.request_id)
+                if rng.random() < 0.3:
+                    # replay explain's decision: a logged request's length and sequence hashes.
+                    seqs = tuple(want.op.sequence_hashes)
+                    ref.reseed(step)
+                    core.reseed(step)
+                    logged = core.decide_logged(want.isl, want.op.sequence_hashes, rid, clock.now, candidates=cands)
+                    same_schedule(ref.schedule_hashes(want.isl, seqs, seqs, None, clock.now, candidates=cands), logged.schedule)
+                    assert (logged.op, logged.blocks) == (None, len(seqs))
         elif roll < 8 and active:
             rid = active.pop(rng.randrange(len(active))) if roll == 7 else rng.choice(active)
             for r in (ref, core):
@@ -152,15 +189,13 @@ def test_core_decides_as_the_reference(seed: int) -> None:
             clock.now += rng.choice([1.0, 20.0, 60.0])
         elif rng.random() < 0.3:
             w = rng.randrange(6)
-            if ref.index.knows(w):
+            if ref.knows(w):
                 assert ref.remove_worker(w) == core.remove_worker(w)
-        assert len(ref.active) == len(core.active)
+        assert ref.active_requests() == core.active_requests()
         for key in {*ref.workers(), *given}:
-            assert ref.active.load(key) == core.active.load(key)
+            assert ref.load(key) == core.load(key)
         # The ttft policy's learned rates are folded from the same ops.
-        rates = ref.active.rates
-        assert {k: rates.rate(k) for k in rates.keys()} == {k: core.active.rates.rate(k) for k in core.active.rates.keys()}
-        assert ref.active.rates.decode_slowdown() == core.active.rates.decode_slowdown()
+        assert ref.learned_rates() == core.learned_rates()
 
 
 def test_buffer_bytes_and_list_prompts_decide_alike() -> None:
@@ -179,7 +214,7 @@ def test_buffer_bytes_and_list_prompts_decide_alike() -> None:
     ]
     decisions = []
     for form in forms:
-        r.scheduler.rng.seed(3)
+        r.reseed(3)
         decisions.append(r.find_best_match(form))
     for d in decisions[1:]:
         same_decision(decisions[0], d)
@@ -200,12 +235,12 @@ def test_bad_prompts_are_rejected_with_the_reason(tokens: object, reason: str) -
     r.apply_event(Stored(1, 0, Tier.DEVICE, 0, 0, None, (1,), tuple(local_hashes([0, 0, 0, 0], BS))))
     with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
         r.find_best_match(tokens, request_id="x")  # type: ignore[arg-type]
-    assert "x" not in r.active and len(r.active) == 0  # nothing applied
+    assert not r.is_active("x") and r.active_requests() == 0  # nothing applied
 
 
 def test_prompt_over_the_token_cap_is_rejected() -> None:
     r = Router(RouterConfig(block_size=BS))
     r.apply_event(Stored(1, 0, Tier.DEVICE, 0, 0, None, (1,), tuple(local_hashes([0, 0, 0, 0], BS))))
     with pytest.raises(ValueError, match="exceeds the limit of 8"):
-        r._decide_in_core(bytes(4 * 9), None, "x", True, None, max_tokens=8)
-    assert len(r.active) == 0
+        r._decide(Prompt(bytes(4 * 9)), "x", "x", None, None, max_tokens=8)
+    assert r.active_requests() == 0

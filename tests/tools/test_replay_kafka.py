@@ -110,7 +110,7 @@ def test_rebuild_at_t_equals_replica_stopped_at_t(kafka_topics: Settings, tmp_pa
     res = run(kafka_topics, "rebuild", "--at", format_time(t), "--json", "--write-snapshot", str(tmp_path / "out"))
     assert res.exit_code == 0, res.output
     doc = out_json(res)
-    sizes = {(k.worker_id, k.dp_rank): v for k, v in r.router.index.tree_sizes().items()}
+    sizes = {(k.worker_id, k.dp_rank): v for k, v in r.router.tree_sizes().items()}
     assert {(w["worker_id"], w["dp_rank"]): {tier: w[tier.value] for tier in Tier} for w in doc["workers"]} == sizes
     assert doc["snapshot_generation"] == 1
     res = run(kafka_topics, "diff", str(tmp_path / "out"), format_time(t))

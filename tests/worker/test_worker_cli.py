@@ -179,7 +179,7 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     for offset, (partition, _, batch) in enumerate(read_batches(kafka_topics)):
         out = fold.apply_record(partition, offset, 0, codec.encode(batch))
         assert out.dlq_reason is None and out.resync == ()
-        for key, tiers in fold.router.index.tree_sizes().items():
+        for key, tiers in fold.router.tree_sizes().items():
             held = sizes.setdefault(key, {})
             for t, n in tiers.items():
                 held[t.value] = max(held.get(t.value, 0), n)
@@ -187,7 +187,7 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     assert key.worker_id == 9
     # The worker withdrew its blocks when it finished (test_worker_stop.py): what it held
     # is the most each tier held while it ran.
-    assert not any(fold.router.index.tree_sizes()[key].values())
+    assert not any(fold.router.tree_sizes()[key].values())
     # 40 prompts of up to 10 blocks overflow G1 (64 blocks): blocks went down the tiers.
     assert 0 < sizes[key]["device"] <= 64
     assert sizes[key]["host_pinned"] > 0

@@ -76,7 +76,7 @@ def test_ctrl_c_exits_130_after_withdrawing_the_blocks(kafka_topics, tmp_path):
     batches = read_batches(kafka_topics)
     for offset, (partition, _, batch) in enumerate(batches):
         assert fold.apply_record(partition, offset, 0, codec.encode(batch)).dlq_reason is None
-        for tiers in fold.router.index.tree_sizes().values():
+        for tiers in fold.router.tree_sizes().values():
             for tier, n in tiers.items():
                 most[tier] = max(most.get(tier, 0), n)
     # It held blocks on both tiers while it ran...
@@ -84,4 +84,4 @@ def test_ctrl_c_exits_130_after_withdrawing_the_blocks(kafka_topics, tmp_path):
     # ...and its last batch withdrew them all: a cleared per tier of its rank.
     last = batches[-1][2]
     assert {(ev.dp_rank, ev.tier) for ev in last.events if isinstance(ev, Cleared)} == {(0, t) for t in Tier}
-    assert all(n == 0 for tiers in fold.router.index.tree_sizes().values() for n in tiers.values())
+    assert all(n == 0 for tiers in fold.router.tree_sizes().values() for n in tiers.values())

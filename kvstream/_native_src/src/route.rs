@@ -1,14 +1,17 @@
-//! The kv routing decision in one call (DESIGN.md §4–§6), called from
-//! kvstream/router/core.py: hashing, matching across tiers (index.rs), the active-sequence
-//! load, `worker_logit` and the choice, and the add of the routed request.
+//! The routing decision in one call (DESIGN.md §4–§6), called from
+//! kvstream/router/core.py: hashing (or the caller's local hashes), matching across tiers
+//! (index.rs), the active-sequence load, the §5 terms, the policy's cost (`Cost`: kv or
+//! ttft), the filters with their reasons, the choice, and the add of the routed request.
+//! The only implementation of these rules.
 //!
-//! kvstream/router/active.py and scheduler.py are the reference model: the property tests
+//! tests/router/reference_router.py is the reference model: the property tests
 //! (tests/router/test_core_properties.py) check that this gives the same candidates, the
-//! same logit terms to the last bit and the same choice for the same uniform draw. So the
-//! arithmetic below follows the reference's order of operations exactly (no reassociation,
-//! no fused multiply-add), and the draw walks the probabilities as `_draw` does.
+//! same terms and costs to the last bit, the same reasons and the same choice for the same
+//! uniform draw. So the arithmetic below follows the reference's order of operations
+//! exactly (no reassociation, no fused multiply-add), and the draw walks the
+//! probabilities as its `_draw` does.
 use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashSet};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
@@ -111,18 +114,135 @@ fn held_prefix(blocks: &Map<u64, u32>, seqs: &[u64]) -> usize {
     lo
 }
 
-/// Weights and filters of one decision (SchedulerConfig with the request's overrides).
-#[derive(Clone)]
+/// Weights and filters of one decision: the fields of
+/// kvstream.router.scheduler.SchedulerConfig (with the request's overrides), read by
+/// their names from the config object, so that the Python dataclass is their one
+/// definition (a renamed field fails the first route, loudly).
+#[derive(FromPyObject)]
 struct Weights {
-    overlap: f64,
-    host: f64,
-    disk: f64,
-    prefill_scale: f64,
-    request_weight: f64,
-    temperature: f64,
-    max_decode: Option<i64>,
-    max_prefill: Option<i64>,
-    allowed: Option<Vec<i64>>,
+    overlap_score_credit: f64,
+    host_cache_hit_weight: f64,
+    disk_cache_hit_weight: f64,
+    prefill_load_scale: f64,
+    decode_active_request_weight: f64,
+    router_temperature: f64,
+    max_active_decode_blocks: Option<i64>,
+    max_active_prefill_tokens: Option<i64>,
+    allowed_workers: Option<HashSet<i64>>,
+    ttft_host_onboard_ratio: f64,
+    ttft_disk_onboard_ratio: f64,
+    ttft_recompute_weight: f64,
+}
+
+impl Weights {
+    fn filtered(&self) -> bool {
+        self.allowed_workers.is_some() || self.max_active_decode_blocks.is_some() || self.max_active_prefill_tokens.is_some()
+    }
+
+    /// Why candidate `i` may not take the request (the filters of §5), else None.
+    fn exclusion(&self, worker: i64, ld: &[i64], i: usize) -> Option<String> {
+        if self.allowed_workers.as_ref().is_some_and(|a| !a.contains(&worker)) {
+            return Some("not in allowed_workers".to_string());
+        }
+        let (apt, adb) = (ld[5 * i + 1], ld[5 * i + 2]);
+        if let Some(limit) = self.max_active_decode_blocks.filter(|&m| adb > m) {
+            return Some(format!("busy: {adb} active decode blocks > {limit}"));
+        }
+        if let Some(limit) = self.max_active_prefill_tokens.filter(|&m| apt > m) {
+            return Some(format!("busy: {apt} active prefill tokens > {limit}"));
+        }
+        None
+    }
+
+    /// Why no candidate is eligible (all `n` are excluded for `reasons`).
+    fn why_none(&self, keys: &[(usize, Key)], reasons: &[Option<String>]) -> String {
+        if let Some(allowed) = &self.allowed_workers {
+            if keys.iter().all(|(_, k)| !allowed.contains(&k.0)) {
+                let mut want: Vec<i64> = allowed.iter().copied().collect();
+                want.sort_unstable();
+                let mut known: Vec<i64> = keys.iter().map(|(_, k)| k.0).collect();
+                known.sort_unstable();
+                known.dedup();
+                return format!("none of the allowed workers {} is known (known: {})", py_list(&want), py_list(&known));
+            }
+        }
+        let detail: Vec<String> = keys
+            .iter()
+            .zip(reasons)
+            .map(|((_, k), r)| format!("{}/{}: {}", k.0, k.1, r.as_deref().unwrap_or("None")))
+            .collect();
+        format!("all {} candidates are excluded: {}", keys.len(), detail.join("; "))
+    }
+}
+
+/// A list of ints as Python prints it.
+fn py_list(xs: &[i64]) -> String {
+    let parts: Vec<String> = xs.iter().map(i64::to_string).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// What a policy's cost reads of the candidates.
+struct Inputs<'a> {
+    isl: i64,
+    block_size: i64,
+    /// n×4 overlaps and n×5 loads, as in `Decision`.
+    overlaps: &'a [i64],
+    loads: &'a [i64],
+    n: usize,
+}
+
+/// A routing policy: the cost of each candidate, lower wins (DESIGN.md §5;
+/// kvstream/router/costs.py documents both). `terms` are the §5 terms (logit_columns).
+trait Cost {
+    fn costs(&self, x: &Inputs, terms: &[f64]) -> Vec<f64>;
+}
+
+/// `kv`: worker_logit itself.
+struct KvCost;
+
+impl Cost for KvCost {
+    fn costs(&self, x: &Inputs, terms: &[f64]) -> Vec<f64> {
+        terms[6 * x.n..].to_vec()
+    }
+}
+
+/// `ttft`: the predicted time to first token in ms, plus the weighted delay the
+/// request's uncached prefill puts on later ones, at the learned prefill rates.
+struct TtftCost<'a> {
+    /// Tokens/s per candidate (the learner's, kvstream/router/rates.py).
+    rates: &'a [f64],
+    /// Seconds per prefilled token per active decode block.
+    decode_slowdown: f64,
+    host_ratio: f64,
+    disk_ratio: f64,
+    recompute_weight: f64,
+}
+
+impl Cost for TtftCost<'_> {
+    /// In the reference's order of operations (tests/router/reference_router.py,
+    /// predicted_ttft, over numpy columns).
+    fn costs(&self, x: &Inputs, _terms: &[f64]) -> Vec<f64> {
+        let (n, bs) = (x.n, x.block_size as f64);
+        let busy = (0..n).filter(|&i| x.loads[5 * i] != 0 && x.loads[5 * i + 1] != 0).count();
+        let recompute = self.recompute_weight * busy as f64 / n.max(1) as f64;
+        (0..n)
+            .map(|i| {
+                let (dev, host, disk, ext) = (
+                    x.overlaps[4 * i] as f64,
+                    x.overlaps[4 * i + 1] as f64,
+                    x.overlaps[4 * i + 2] as f64,
+                    x.overlaps[4 * i + 3] as f64,
+                );
+                let has = x.loads[5 * i] != 0;
+                let ahead = if has { x.loads[5 * i + 1] as f64 } else { 0.0 };
+                let uncached = (x.isl as f64 - (dev + host + disk + ext) * bs).max(0.0);
+                let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
+                let decode = if has { x.loads[5 * i + 2] } else { 0 };
+                let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
+                (ahead + (1.0 + recompute) * uncached + onboard) * per_token * 1000.0
+            })
+            .collect()
+    }
 }
 
 /// The active sequences (DESIGN.md §6) and the decision over them.
@@ -212,28 +332,36 @@ struct Decision {
     chosen: Option<usize>,
     overlaps: Vec<i64>,
     loads: Vec<i64>,
-    /// credit, cached, prefill, prefill_cost, decode, request_cost, logit (n each).
+    /// credit, cached, prefill, prefill_cost, decode, request_cost, logit (n each); the
+    /// logit column is the policy's cost.
     columns: Vec<f64>,
     probs: Vec<f64>,
     seqs: Vec<u64>,
+    /// Per candidate, why it is excluded (None: eligible); None when no filter is set.
+    excluded: Option<Vec<Option<String>>>,
+    /// Why none is eligible, when `chosen` is None.
+    why_none: Option<String>,
+    /// The prompt's length in tokens.
+    isl: i64,
 }
 
-/// §5, term by term, in the reference's order of operations (scheduler.worker_logits).
+/// §5, term by term, in the reference's order of operations (worker_logits in
+/// tests/router/reference_router.py).
 fn logit_columns(w: &Weights, isl: i64, bs: i64, ov: &[i64], ld: &[i64], n: usize) -> Vec<f64> {
     let mut cols = vec![0f64; 7 * n];
     for i in 0..n {
         let (dev, host, disk, ext) = (ov[4 * i], ov[4 * i + 1], ov[4 * i + 2], ov[4 * i + 3]);
         let (has, apt, adb, reqs, new) = (ld[5 * i], ld[5 * i + 1], ld[5 * i + 2], ld[5 * i + 3], ld[5 * i + 4]);
-        let credit = w.overlap * dev as f64 + w.host * host as f64 + w.disk * (disk + ext) as f64;
+        let credit = w.overlap_score_credit * dev as f64 + w.host_cache_hit_weight * host as f64 + w.disk_cache_hit_weight * (disk + ext) as f64;
         let cached = (credit * bs as f64 + 0.5).floor();
         let prefill = if has != 0 {
             (apt as f64 + (isl as f64 - cached).max(0.0) + cached) / bs as f64
         } else {
             isl as f64 / bs as f64
         };
-        let prefill_cost = w.prefill_scale * (prefill - credit).max(0.0);
+        let prefill_cost = w.prefill_load_scale * (prefill - credit).max(0.0);
         let decode = adb + new;
-        let request_cost = w.request_weight * reqs as f64;
+        let request_cost = w.decode_active_request_weight * reqs as f64;
         let logit = prefill_cost + decode as f64 + request_cost;
         for (c, v) in [credit, cached, prefill, prefill_cost, decode as f64, request_cost, logit].into_iter().enumerate() {
             cols[c * n + i] = v;
@@ -242,9 +370,9 @@ fn logit_columns(w: &Weights, isl: i64, bs: i64, ov: &[i64], ld: &[i64], n: usiz
     cols
 }
 
-/// Selection probabilities over `logits` (scheduler.probabilities, same sums in order).
-/// (Python 3.11's sum() of floats adds in order from 0, as the fold does; 3.12's is
-/// compensated, which this would have to follow.)
+/// Selection probabilities over `logits` (the reference's probabilities, same sums in
+/// order). (Python 3.11's sum() of floats adds in order from 0, as the fold does; 3.12's
+/// is compensated, which this would have to follow.)
 fn probabilities(logits: &[f64], t: f64) -> Vec<f64> {
     let lo = logits.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -258,7 +386,7 @@ fn probabilities(logits: &[f64], t: f64) -> Vec<f64> {
     weights.iter().map(|&x| x / total).collect()
 }
 
-/// The index drawn by the uniform `r` (scheduler._draw).
+/// The index drawn by the uniform `r` (the reference's _draw).
 fn draw(probs: &[f64], r: f64) -> usize {
     let (mut acc, mut last) = (0.0, 0);
     for (i, &p) in probs.iter().enumerate() {
@@ -273,18 +401,30 @@ fn draw(probs: &[f64], r: f64) -> usize {
     last
 }
 
+/// The prompt a decision is about: its length in tokens and its blocks' sequence hashes.
+struct Prompt {
+    isl: i64,
+    seqs: Vec<u64>,
+}
+
+/// The learned prefill rates the ttft cost reads (kvstream/router/rates.py).
+struct Rates {
+    per_candidate: Vec<f64>,
+    decode_slowdown: f64,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn decide(
     index: &IndexCore,
     active: &ActiveCore,
     keys: &[(usize, Key)],
-    tokens: &[u32],
+    prompt: Prompt,
     block_size: usize,
-    seed: u64,
     w: &Weights,
+    rates: Option<&Rates>,
     r: f64,
 ) -> PyResult<Decision> {
-    let mut seqs = sequence_of(&local_hashes_of(tokens, block_size, seed), None);
+    let Prompt { isl, mut seqs } = prompt;
     // Every hash is there already: the walk's fill has nothing to add.
     let found = index.walk(seqs.len(), &mut seqs, &mut |_, _| Ok(()))?;
     let n = keys.len();
@@ -306,28 +446,60 @@ fn decide(
     for (_, key) in keys {
         loads.extend_from_slice(&active.load_row(key, &seqs));
     }
-    let isl = tokens.len() as i64;
-    let columns = logit_columns(w, isl, block_size as i64, &overlaps, &loads, n);
-    let logit = &columns[6 * n..];
-    let eligible: Vec<usize> = (0..n)
-        .filter(|&i| {
-            let worker = keys[i].1 .0;
-            w.allowed.as_ref().is_none_or(|a| a.contains(&worker))
-                && w.max_decode.is_none_or(|m| loads[5 * i + 2] <= m)
-                && w.max_prefill.is_none_or(|m| loads[5 * i + 1] <= m)
-        })
-        .collect();
+    let mut columns = logit_columns(w, isl, block_size as i64, &overlaps, &loads, n);
+    let inputs = Inputs { isl, block_size: block_size as i64, overlaps: &overlaps, loads: &loads, n };
+    // The policy is the cost whose inputs the caller passed (kvstream/router/costs.py:
+    // kv reads nothing learned, ttft the learned rates).
+    let costs = match rates {
+        None => KvCost.costs(&inputs, &columns),
+        Some(rates) => TtftCost {
+            rates: &rates.per_candidate,
+            decode_slowdown: rates.decode_slowdown,
+            host_ratio: w.ttft_host_onboard_ratio,
+            disk_ratio: w.ttft_disk_onboard_ratio,
+            recompute_weight: w.ttft_recompute_weight,
+        }
+        .costs(&inputs, &columns),
+    };
+    columns[6 * n..].copy_from_slice(&costs);
+    let excluded: Option<Vec<Option<String>>> =
+        w.filtered().then(|| (0..n).map(|i| w.exclusion(keys[i].1 .0, &loads, i)).collect());
+    let eligible: Vec<usize> = match &excluded {
+        None => (0..n).collect(),
+        Some(reasons) => (0..n).filter(|&i| reasons[i].is_none()).collect(),
+    };
     let mut probs = vec![0f64; n];
     let mut chosen = None;
-    if !eligible.is_empty() {
+    let mut why_none = None;
+    if eligible.is_empty() {
+        why_none = Some(match &excluded {
+            Some(reasons) => w.why_none(keys, reasons),
+            None => "no workers known: none has published an event within its lease".to_string(),
+        });
+    } else {
+        let logit = &columns[6 * n..];
         let lg: Vec<f64> = eligible.iter().map(|&i| logit[i]).collect();
-        let p = probabilities(&lg, w.temperature);
+        let p = probabilities(&lg, w.router_temperature);
         chosen = Some(eligible[draw(&p, r)]);
         for (&i, &pi) in eligible.iter().zip(&p) {
             probs[i] = pi;
         }
     }
-    Ok(Decision { chosen, overlaps, loads, columns, probs, seqs })
+    Ok(Decision { chosen, overlaps, loads, columns, probs, seqs, excluded, why_none, isl })
+}
+
+/// Hashes given as a list of ints or as little-endian u64 bytes.
+fn hashes_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    match obj.cast::<PyBytes>() {
+        Ok(b) => {
+            let data = b.as_bytes();
+            if data.len() % 8 != 0 {
+                return Err(PyValueError::new_err(format!("packed hashes of {} bytes: not a multiple of 8", data.len())));
+            }
+            Ok(data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk"))).collect())
+        }
+        Err(_) => obj.extract::<Vec<u64>>(),
+    }
 }
 
 fn le_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, xs: &[T], f: impl Fn(T) -> [u8; N]) -> Bound<'py, PyBytes> {
@@ -360,16 +532,7 @@ impl ActiveCore {
     #[allow(clippy::too_many_arguments)]
     /// `sequence_hashes`: a list of ints, or little-endian u64 bytes (as `route` returns them).
     fn add(&mut self, request_id: String, worker_id: i64, dp_rank: i64, isl: i64, overlap_tokens: i64, sequence_hashes: &Bound<'_, PyAny>, timestamp: f64) -> PyResult<bool> {
-        let hashes = match sequence_hashes.cast::<PyBytes>() {
-            Ok(b) => {
-                let data = b.as_bytes();
-                if data.len() % 8 != 0 {
-                    return Err(PyValueError::new_err(format!("packed hashes of {} bytes: not a multiple of 8", data.len())));
-                }
-                data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk"))).collect()
-            }
-            Err(_) => sequence_hashes.extract::<Vec<u64>>()?,
-        };
+        let hashes = hashes_from(sequence_hashes)?;
         Ok(self.add_req(request_id, (worker_id, dp_rank), isl, overlap_tokens, hashes, timestamp))
     }
 
@@ -425,19 +588,24 @@ impl ActiveCore {
             .collect()
     }
 
-    /// One kv decision. `keys`: per slot, its (worker_id, dp_rank) or None for a free
-    /// slot (the candidates are the slots in use, in slot order); `weights`: (overlap_score_credit, host_cache_hit_weight,
-    /// disk_cache_hit_weight, prefill_load_scale, decode_active_request_weight,
-    /// router_temperature); `r`: the uniform draw in [0, 1). Expires old requests at
-    /// `now` first; with `request_id`, adds the request to the chosen worker.
+    /// One routing decision. `keys`: per slot, its (worker_id, dp_rank) or None for a
+    /// free slot (the candidates are the slots in use, in slot order); `config`: a
+    /// SchedulerConfig (its fields by name: `Weights`); `seed`: the local hashes' seed
+    /// (kvstream.hashing.identity_seed: adapter and cache salt); `local`: the prompt's
+    /// local hashes when the caller computed them (multimodal or extra-token blocks,
+    /// kvstream.hashing.local_hashes), else the core hashes the tokens; `rates`: the
+    /// learned tokens/s per candidate and the decode slowdown (the ttft policy's
+    /// inputs, and so the policy: without them the cost is kv); `r`: the uniform draw in [0, 1). Expires old requests at `now` first;
+    /// with `request_id`, adds the request to the chosen worker.
     ///
     /// Returns (chosen row or None when no candidate is eligible, overlaps (n×4 i64),
-    /// loads (n×5 i64), logit columns (7×n f64), probabilities (n f64), all as
-    /// little-endian bytes, the prompt's sequence hashes (little-endian u64 bytes) when
-    /// tracked, its token count).
+    /// loads (n×5 i64), columns (7×n f64: the §5 terms, the last the policy's cost),
+    /// probabilities (n f64), all as little-endian bytes, the prompt's sequence hashes
+    /// (little-endian u64 bytes) when tracked, its token count, per candidate why it is
+    /// excluded (None without filters), why none is eligible).
     /// The GIL is released while hashing, matching and scoring.
-    #[pyo3(signature = (index, keys, tokens, block_size, seed, weights, filters, r, now, request_id=None, max_tokens=usize::MAX))]
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    #[pyo3(signature = (index, keys, tokens, block_size, seed, config, r, now, request_id=None, local=None, rates=None, max_tokens=usize::MAX))]
+    #[allow(clippy::too_many_arguments)]
     fn route<'py>(
         &mut self,
         py: Python<'py>,
@@ -446,39 +614,113 @@ impl ActiveCore {
         tokens: &Bound<'py, PyAny>,
         block_size: usize,
         seed: u64,
-        weights: (f64, f64, f64, f64, f64, f64),
-        filters: (Option<i64>, Option<i64>, Option<Vec<i64>>),
+        config: Weights,
         r: f64,
         now: f64,
         request_id: Option<String>,
+        local: Option<&Bound<'py, PyAny>>,
+        rates: Option<(Vec<f64>, f64)>,
         max_tokens: usize,
-    ) -> PyResult<(Option<usize>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, usize)> {
+    ) -> PyResult<Routed<'py>> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
         }
         let toks = route_tokens(tokens, max_tokens)?;
-        let w = Weights {
-            overlap: weights.0,
-            host: weights.1,
-            disk: weights.2,
-            prefill_scale: weights.3,
-            request_weight: weights.4,
-            temperature: weights.5,
-            max_decode: filters.0,
-            max_prefill: filters.1,
-            allowed: filters.2,
+        let local = match local {
+            None => None,
+            Some(obj) => {
+                let hashes = hashes_from(obj)?;
+                if hashes.len() != toks.len() / block_size {
+                    return Err(PyValueError::new_err(format!(
+                        "{} local hashes for a prompt of {} full blocks",
+                        hashes.len(),
+                        toks.len() / block_size
+                    )));
+                }
+                Some(hashes)
+            }
         };
+        let isl = toks.len() as i64;
+        let hash = move || {
+            let local = local.unwrap_or_else(|| local_hashes_of(&toks, block_size, seed));
+            Prompt { isl, seqs: sequence_of(&local, None) }
+        };
+        self.route_prompt(py, index, keys, hash, block_size, config, rates, r, now, request_id)
+    }
+
+    /// The decision for a prompt given by its length and its blocks' sequence hashes
+    /// (a logged request: the log keeps no token ids), query-only; otherwise as `route`.
+    #[pyo3(signature = (index, keys, isl, sequence_hashes, block_size, config, r, now, rates=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn route_hashes<'py>(
+        &mut self,
+        py: Python<'py>,
+        index: PyRef<'py, IndexCore>,
+        keys: Vec<Option<Key>>,
+        isl: i64,
+        sequence_hashes: &Bound<'py, PyAny>,
+        block_size: usize,
+        config: Weights,
+        r: f64,
+        now: f64,
+        rates: Option<(Vec<f64>, f64)>,
+    ) -> PyResult<Routed<'py>> {
+        if block_size == 0 {
+            return Err(PyValueError::new_err("block_size must be positive"));
+        }
+        let seqs = hashes_from(sequence_hashes)?;
+        self.route_prompt(py, index, keys, move || Prompt { isl, seqs }, block_size, config, rates, r, now, None)
+    }
+}
+
+/// What `route` returns (see there).
+type Routed<'py> = (
+    Option<usize>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyBytes>>,
+    usize,
+    Option<Vec<Option<String>>>,
+    Option<String>,
+);
+
+impl ActiveCore {
+    #[allow(clippy::too_many_arguments)]
+    fn route_prompt<'py>(
+        &mut self,
+        py: Python<'py>,
+        index: PyRef<'py, IndexCore>,
+        keys: Vec<Option<Key>>,
+        prompt: impl FnOnce() -> Prompt + Send,
+        block_size: usize,
+        w: Weights,
+        rates: Option<(Vec<f64>, f64)>,
+        r: f64,
+        now: f64,
+        request_id: Option<String>,
+    ) -> PyResult<Routed<'py>> {
         let keys: Vec<(usize, Key)> = keys.into_iter().enumerate().filter_map(|(s, k)| k.map(|k| (s, k))).collect();
+        let rates = match rates {
+            Some((per_candidate, decode_slowdown)) if per_candidate.len() == keys.len() => Some(Rates { per_candidate, decode_slowdown }),
+            Some((per_candidate, _)) => {
+                return Err(PyValueError::new_err(format!("{} rates for {} candidates", per_candidate.len(), keys.len())))
+            }
+            None => None,
+        };
         let idx: &IndexCore = &index;
         let track = request_id.is_some();
         let d = py.detach(|| -> PyResult<Decision> {
+            let prompt = prompt();
+            let isl = prompt.isl;
             self.expire_at(now);
-            let d = decide(idx, self, &keys, &toks, block_size, seed, &w, r)?;
+            let d = decide(idx, self, &keys, prompt, block_size, &w, rates.as_ref(), r)?;
             if let (Some(rid), Some(c)) = (request_id, d.chosen) {
                 // The caller checked that the id is not active (the borrow of self keeps
                 // other threads out meanwhile), so the add applies.
                 let cached = d.columns[keys.len() + c] as i64;
-                self.add_req(rid, keys[c].1, toks.len() as i64, cached, d.seqs.clone(), now);
+                self.add_req(rid, keys[c].1, isl, cached, d.seqs.clone(), now);
             }
             Ok(d)
         })?;
@@ -490,7 +732,9 @@ impl ActiveCore {
             le_bytes(py, &d.columns, f64::to_le_bytes),
             le_bytes(py, &d.probs, f64::to_le_bytes),
             tracked,
-            toks.len(),
+            d.isl as usize,
+            d.excluded,
+            d.why_none,
         ))
     }
 }

@@ -203,7 +203,7 @@ def rebuild(
     _notes(rebuilt.notes)
     gen = write(rebuilt, write_snapshot) if write_snapshot is not None else None
     rows = summary(rebuilt.fold)
-    counters = dict(rebuilt.fold.counters) | dict(rebuilt.fold.router.index.counters)
+    counters = rebuilt.fold.rejections()
     doc = {
         "at": format_time(rebuilt.at_ms),
         "source": rebuilt.source,

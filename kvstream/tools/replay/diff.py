@@ -68,9 +68,9 @@ def _from_parts(label: str, parts: dict[int, list[WorkerBlocks]]) -> IndexState:
 
 
 def state_of_fold(fold: LogFold, label: str) -> IndexState:
-    index = fold.router.index
-    wids = {k.worker_id for k in index.workers()}
-    return _from_parts(label, {w: index.export_worker(w) for w in wids})
+    router = fold.router
+    wids = {k.worker_id for k in router.workers()}
+    return _from_parts(label, {w: router.export_worker(w) for w in wids})
 
 
 def state_of_snapshot(path: Path, gen: int | None) -> IndexState:

@@ -140,12 +140,8 @@ def _decide_from_hashes(
     router: Router, add: AddRequest, now: float, candidates: Sequence[WorkerKey] | None
 ) -> RouteDecision:
     """Score a logged request from its sequence hashes (the log keeps no token ids),
-    query-only: the index matches on sequence hashes, so they stand in for the local
-    hashes too."""
-    seqs = add.sequence_hashes
-    schedule = router.schedule_hashes(add.isl, seqs, seqs, None, now, candidates=candidates)
-    worker = schedule.candidates.workers[schedule.chosen]
-    return RouteDecision(worker, unscoped(add.request_id), add.isl, len(seqs), schedule, None)
+    query-only."""
+    return router.decide_logged(add.isl, add.sequence_hashes, unscoped(add.request_id), now, candidates=candidates)
 
 
 def _score(fn: Any) -> RouteDecision:
@@ -159,10 +155,10 @@ def _score(fn: Any) -> RouteDecision:
 
 def _admitted(settings: Settings, router: Router, registry: RegistryAt) -> tuple[list[WorkerKey] | None, list[str]]:
     """The candidates the live rule gives (NoEligibleWorkerError when none), and notes."""
-    candidates = admission_from_settings(settings).candidates(router.index, registry.registered)
+    candidates = admission_from_settings(settings).candidates(router, registry.registered)
     if candidates is None:
         return None, ["every indexed worker competes ([router] require_registration = false)"]
-    hidden = sorted(w for w in registry.later if router.index.knows(w))
+    hidden = sorted(w for w in registry.later if router.knows(w))
     notes = [registry.note]
     if hidden:
         notes.append(f"workers {hidden[:16]} registered only after that time on the compacted registry: "

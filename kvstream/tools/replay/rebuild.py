@@ -180,7 +180,7 @@ def summary(fold: LogFold) -> list[dict[str, Any]]:
     """One row per (worker, dp_rank): blocks per tier, and the worker's epoch, partition,
     last event id of the rank, last seen (log time)."""
     rows = []
-    sizes = fold.router.index.tree_sizes()
+    sizes = fold.router.tree_sizes()
     for key in sorted(sizes):
         wlog = fold.workers.get(key.worker_id)
         rows.append(

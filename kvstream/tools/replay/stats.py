@@ -41,7 +41,6 @@ def collect_stats(
             for p in start if reader.low[p] > 0 and start[p] < end[p]
         ]
         fold = new_fold(settings, (bounds.to_ms or 0) / 1000, decode)
-        counters = (fold.counters, fold.router.index.counters)
         by_kind: Counter[str] = Counter()
         by_tier: Counter[str] = Counter()
         blocks: Counter[str] = Counter()
@@ -60,10 +59,10 @@ def collect_stats(
             first_ms = r.timestamp_ms if first_ms is None else min(first_ms, r.timestamp_ms)
             last_ms = r.timestamp_ms if last_ms is None else max(last_ms, r.timestamp_ms)
             last[0] = None
-            before = (counters[0].copy(), counters[1].copy())
+            before = Counter(fold.rejections())
             fold.apply(r)
             batch = last[0]
-            delta = (counters[0] - before[0]) + (counters[1] - before[1])
+            delta = Counter(fold.rejections()) - before
             if delta:
                 rejections.update(delta)
                 if batch is not None:

@@ -21,7 +21,7 @@ from kvstream.engine_model.costs import CostModel
 from kvstream.logs import configure_logging, current_logging
 from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.router.errors import SchedulerConfigError
-from kvstream.router.policy import RATE_SCOPES
+from kvstream.router.rates import RATE_SCOPES
 from kvstream.settings import SettingsError, load_settings
 from kvstream.tools.output import emit
 from kvstream.tools.plotting import pyplot

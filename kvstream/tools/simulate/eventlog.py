@@ -49,8 +49,7 @@ class LogStats:
 
 
 def _counters(fold: LogFold) -> dict[str, int]:
-    both = fold.counters + fold.router.index.counters
-    return {k: v for k, v in sorted(both.items()) if v}
+    return {k: v for k, v in sorted(fold.rejections().items()) if v}
 
 
 class EventLog(Protocol):
@@ -154,7 +153,7 @@ class KafkaEventLog:
                 options = ReplicaOptions(tick_interval_s=365 * 24 * 3600.0, ready_max_lag=0,
                                          replica_id=f"simulate-{run}-{i}")
                 r = Replica(settings, options, router_config, clock=clock)
-                r.router.scheduler.rng = random.Random(seed)
+                r.router.reseed(seed)
                 r.start()
                 self.replicas.append(r)
             self._consumer = Consumer(consumer_config(settings))
@@ -217,7 +216,7 @@ class KafkaEventLog:
         views = []
         for r in self.replicas:
             with r.lock:
-                views.append({w: r.router.index.export_worker(w) for w in sorted(r.fold.workers)})
+                views.append({w: r.router.export_worker(w) for w in sorted(r.fold.workers)})
         return all(v == views[0] for v in views[1:])
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ class KvPolicy:
 
 
 class TtftPolicy:
-    """The router's predicted-TTFT policy (kvstream.router.policy), with the throughput
+    """The router's predicted-TTFT policy (kvstream.router.costs), with the throughput
     it learns from the simulated route → first token times."""
 
     name = "ttft"

@@ -1,31 +1,7 @@
-"""Routing policies beside the reference cost (DESIGN.md §5).
+"""Prefill throughput learned online (DESIGN.md §5): the ``ttft`` cost's inputs
+(kvstream.router.costs), from the times to first token the router observes.
 
-``kv`` is ``worker_logit`` exactly (the default). ``ttft`` scores each candidate by the
-time to first token it predicts there:
-
-```
-ahead    = active_prefill_tokens[w]                  # queued prefill work, in tokens
-uncached = max(isl − (device + host + disk + external)[w]·B, 0)
-onboard  = host_onboard_ratio·host[w]·B + disk_onboard_ratio·(disk + external)[w]·B
-per_tok  = 1 / rate[w] + decode_slowdown·active_decode_blocks[w]   # seconds per token
-ttft[w]  = (ahead + uncached + onboard)·per_tok      # seconds
-busy     = share of the candidates with prefill queued (ahead > 0)
-cost[w]  = ttft[w] + recompute_weight·busy·uncached·per_tok
-```
-
-The cost is this request's predicted TTFT plus the time its uncached prefill adds to
-the requests routed after it to the same worker. Those requests only wait for it when
-they have nowhere better to go, which is as likely as the fleet is busy: the
-``ttft_recompute_weight`` is scaled by the share of candidates with prefill queued.
-With it the policy keeps cache reuse that shortens everyone's wait once queues are long
-(on the Mooncake trace at 3× speed, weight 0.5 against 0: TTFT p50 506 against 527 ms,
-p99 4113 against 4204 ms); unscaled, it sent a request whose prefix sat behind a long
-queue to that queue even while idle workers could compute the prompt sooner, and some
-of those joined the slowest 1 % (docs/RESULTS.md).
-
-Onboarding is counted in prefill-token equivalents (moving a token's KV up a tier costs
-that fraction of computing it). ``rate`` is prefill throughput learned online by
-:class:`PrefillRates` from what the router observes: a request routed at t0 with
+:class:`PrefillRates` learns from what the router observes: a request routed at t0 with
 ``ahead`` tokens queued before it and ``own`` tokens of its own prefill reports its
 first token at t1, so the worker got through ``ahead + own`` tokens in ``t1 − t0``
 seconds (its TTFT). Rates are decayed sums (tokens and seconds separately, so large
@@ -54,17 +30,10 @@ rates (never below 0).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstream.router.index import WorkerKey
-
-if TYPE_CHECKING:
-    from kvstream.router.scheduler import Candidates, SchedulerConfig
-
-#: The policies a router can apply (``SchedulerConfig.policy``).
-POLICIES = ("kv", "ttft")
 
 #: Whose throughput prices a worker in ``ttft`` (``SchedulerConfig.ttft_rate_scope``):
 #: the fleet's pooled rate, or the worker's own.
@@ -124,34 +93,20 @@ class PrefillRates:
         seconds = sum(s for _, s in self._sums.values())
         return tokens / seconds if seconds > 0 else None
 
-    def rates_for(self, keys: Sequence[WorkerKey], prior: float, scope: str) -> np.ndarray:
+    def rates_for(self, keys: Sequence[WorkerKey], prior: float, scope: str) -> list[float]:
         """Tokens/s per key. ``scope="fleet"``: the fleet's rate for every key (``prior``
         before any sample); ``"worker"``: each key's own, the mean known rate for a key
         with none, else ``prior``."""
         if scope == "fleet":
             fleet = self.fleet_rate()
-            return np.full(len(keys), fleet if fleet is not None else prior, dtype=np.float64)
+            return [fleet if fleet is not None else prior] * len(keys)
         known = [self.rate(k) for k in keys]
         seen = [r for r in known if r is not None and r > 0]
         fallback = float(np.mean(seen)) if seen else prior
-        return np.array([r if r is not None and r > 0 else fallback for r in known], dtype=np.float64)
+        return [r if r is not None and r > 0 else fallback for r in known]
 
     def keys(self) -> list[WorkerKey]:
         return list(self._sums)
 
     def forget(self, key: WorkerKey) -> None:
         self._sums.pop(key, None)
-
-
-def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
-    """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
-    first token, plus the weighted delay its uncached prefill puts on later requests."""
-    dev, host, disk, ext = c.overlaps.T.astype(np.float64)
-    has_load, apt = c.loads.T[0], c.loads.T[1]
-    ahead = np.where(has_load != 0, apt, 0).astype(np.float64)
-    uncached = np.maximum(isl - (dev + host + disk + ext) * block_size, 0.0)
-    onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
-    rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
-    per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
-    recompute = cfg.ttft_recompute_weight * float(np.count_nonzero(ahead)) / max(len(c), 1)
-    return (ahead + (1.0 + recompute) * uncached + onboard) * per_token
