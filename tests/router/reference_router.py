@@ -25,7 +25,7 @@ from kvstream.events.model import RouterEvent
 from kvstream.hashing import MmSpan, block_hashes
 from kvstream.router.active import DEFAULT_TTL_S, ActiveOp, AddRequest, FreeRequest, PrefillDone, WorkerLoad
 from kvstream.router.errors import DuplicateRequestError, NoEligibleWorkerError, UnknownRequestError
-from kvstream.router.index import NO_OVERLAP, TieredIndex, TierOverlap, WorkerKey
+from kvstream.router.index import NO_OVERLAP, TieredIndex, WorkerKey
 from kvstream.router.rates import PrefillRates
 from kvstream.router.router import LearnedRates, RouteDecision, RouterConfig
 from kvstream.router.scheduler import Candidates as CoreCandidates
