@@ -14,7 +14,7 @@ from kvstream.logs import DEFAULT_FORMAT, DEFAULT_LEVEL, FORMATS, LEVELS, config
 #: the commands must not import them, or `kvstream --help` would load torch).
 COMMANDS: dict[str, tuple[str, str]] = {
     "hash": ("kvstream.tools.hash_cmd:hash_cmd", "Print a prompt's block hashes as JSON."),
-    "bench": ("kvstream.tools.bench:bench", "Benchmarks of the hot paths; each prints one JSON object."),
+    "bench": ("kvstream.tools.bench_cmd:bench", "Benchmarks of the hot paths; each prints one JSON object."),
     "config": ("kvstream.tools.config_cmd:config", "Show the effective settings and where each came from."),
     "broker": ("kvstream.kafka.cli:broker", "The local development Kafka broker (KRaft)."),
     "topics": ("kvstream.kafka.cli:topics", "Create kvstream's topics with the right settings."),

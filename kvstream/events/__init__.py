@@ -1,5 +1,8 @@
-"""Router events: the model (``model``), its Avro wire codec (``codec``) and schemas,
-how ids travel (``wire``) and the control records (``control``)."""
+"""Router events (DESIGN.md §2), the vocabulary every package shares: ``model`` (the
+events and their batch), ``codec`` (Avro single-object encoding), ``strict`` (Avro bodies
+checked as the reference decoders check them), ``schemas`` (every schema version, from
+``schemas/``), ``wire`` (u64 ids as Avro longs and as record keys), ``control`` (resync
+requests on ``kvstream.control``), ``errors``."""
 
 from kvstream.events.errors import DecodeError, EventError, UnknownMediumError
 from kvstream.events.model import (

@@ -1,7 +1,22 @@
 """Router replica (DESIGN.md §6, §7, §9): folds ``kvstream.events`` into a Router,
 snapshots the fold to RocksDB, restarts from it, shares load, serves HTTP.
 
-``fold`` is the deterministic heart (no Kafka); ``replica`` is the facade that wires
-Kafka to it (``recovery``, ``ingest``, ``lag``, ``load``, ``registry_reader``);
-``snapshot`` persists it; ``service`` serves it.
+- The fold, with no Kafka and no clock: ``fold`` (the deterministic fold of the log),
+  ``record`` (a Kafka message read as the fold sees it), ``authority`` (what the fold
+  accepts from the topic), ``admission`` (which workers may win a route).
+- The Kafka side, behind the ``replica`` facade (``Replica``): ``recovery`` (start from
+  the newest valid snapshot), ``ingest`` (the events topic folded under the router
+  lock, its outbox produced after), ``lag`` (readiness, staleness, new partitions),
+  ``load`` (load ops shared on ``kvstream.active``, with ``active_codec``), ``resync``
+  (requests on ``kvstream.control``), ``dlq`` (copies for ``kvstream.dlq``), ``ticks``
+  (log-clock ticks), ``positions`` (read positions in a consumer group),
+  ``registry_reader`` (``kvstream.workers`` folded), ``supervisor`` (threads restarted,
+  failures counted).
+- Persistence: ``snapshot`` (RocksDB generations), ``snapshotter`` (taken a partition
+  at a time without stalling ingest), ``peer`` (bootstrap from a peer's snapshot),
+  ``snapshot_cli`` (``kvstream snapshot``).
+- Serving: ``service`` (the HTTP API), ``route_body`` (route request fields),
+  ``request_ids``, ``auth`` (bearer tokens by scope), ``http_limits``, ``metrics``.
+- ``options`` (the ``[replica]`` settings' definitions), ``cli`` (``kvstream router``),
+  ``errors``.
 """

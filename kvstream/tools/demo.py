@@ -32,7 +32,7 @@ from kvstream.kafka.topics import ensure_topics
 from kvstream.logs import configure_logging
 from kvstream.settings import Settings, TopicSettings
 from kvstream.tools import fleet
-from kvstream.tools.bench.procs import port_taken
+from kvstream.tools.procs import port_taken
 
 
 class _TwoReplicas:

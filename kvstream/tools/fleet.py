@@ -43,7 +43,7 @@ import click
 import httpx
 import numpy as np
 
-from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import ManagedProcess, free_port, wait_http
 from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvstream.tools.bench import bench
+from bench import bench
 
 
 def test_emulate_bench() -> None:

@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvstream.tools.bench.codec import codec_bench
+from bench.codec import codec_bench
 
 
 def test_codec_bench_json() -> None:

@@ -312,7 +312,7 @@ def test_cache_is_thread_safe(model_dir) -> None:
 def test_tokenize_bench_reports_both_paths_of_one_run(deepseek_tokenizer_json) -> None:
     from click.testing import CliRunner
 
-    from kvstream.tools.bench import bench
+    from bench import bench
 
     out = CliRunner().invoke(bench, ["tokenize", "--json", "--tokens", "3000", "--repeat", "3",
                                      "--tokenizer", str(deepseek_tokenizer_json)])

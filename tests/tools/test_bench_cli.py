@@ -5,11 +5,15 @@ where it should against that baseline (with room for a noisy machine)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from kvstream.tools.bench import bench
+from bench import bench
 
 
 def run(args: list[str]) -> dict:
@@ -31,9 +35,9 @@ def test_index_and_route_benches() -> None:
     r = run(["index", "--json", "--blocks", "20000", "--workers", "8", "--queries", "100", "--prompt-blocks", "160"])
     # Against the dict-of-sets index on the same events and prompts: matching ~9x faster
     # at this size, applying ~1.6-2x (each bound leaves room for noise).
-    assert r["match_p50_speedup"] == pytest.approx(r["baseline_match_p50_us"] / r["match_p50_us"], rel=0.02)
+    assert r["match_p50_speedup"] == pytest.approx(r["baseline_match_p50_us"] / r["match_p50_us"], rel=0.02, abs=0.01)
     assert r["match_p50_speedup"] > 2, r
-    assert r["apply_speedup"] == pytest.approx(r["apply_blocks_per_s"] / r["baseline_apply_blocks_per_s"], rel=0.02)
+    assert r["apply_speedup"] == pytest.approx(r["apply_blocks_per_s"] / r["baseline_apply_blocks_per_s"], rel=0.02, abs=0.01)
     assert r["apply_speedup"] > 0.5, r
     assert r["match_p99_us"] >= r["match_p50_us"]
     # The tables' own bytes are exact; the RSS delta at this tiny size is allocator noise
@@ -45,12 +49,12 @@ def test_index_and_route_benches() -> None:
     # The compiled decision against the Python reference model on the same index and
     # prompts (~2-3x at this size), and against hashing by the per-block loop.
     assert r["route_p50_speedup_vs_reference"] == pytest.approx(
-        r["reference_route_p50_us"] / r["route_p50_us"], rel=0.02)
+        r["reference_route_p50_us"] / r["route_p50_us"], rel=0.02, abs=0.01)
     assert r["route_p50_speedup_vs_reference"] > 1, r
     assert r["decisions_speedup_vs_reference"] > 1, r
     assert r["route_buffer_p50_us"] < r["reference_route_p50_us"], r
     assert r["route_speedup"] > 1, r
-    # Decisions beside a paced ingest of real records (kvstream/tools/bench/ingest_load.py).
+    # Decisions beside a paced ingest of real records (bench/ingest_load.py).
     assert r["ingest_records_rejected"] == 0
     assert r["ingest_block_events_per_s"] > 0
     assert r["route_under_ingest_p99_us"] >= r["route_under_ingest_p50_us"] > 0
@@ -61,7 +65,7 @@ def test_churn_records_fold_to_one_fresh_chain_per_worker() -> None:
     from kvstream.events.model import Stored, Tier
     from kvstream.replica.fold import LogFold
     from kvstream.router import Router
-    from kvstream.tools.bench.ingest_load import CHAIN_BLOCKS, churn_records
+    from bench.ingest_load import CHAIN_BLOCKS, churn_records
 
     router = Router()
     workers = [(7, 0), (7, 1), (9, 0)]
@@ -82,9 +86,9 @@ def test_dynamo_side_by_side() -> None:
     # Answers are checked equal first (the bench fails otherwise); the ratios are of the
     # two figures, and cold matching is at parity or better (0.3-1x measured).
     assert r["apply_ratio_vs_dynamo"] == pytest.approx(
-        r["kvstream_device_apply_blocks_per_s"] / r["dynamo_apply_blocks_per_s"], rel=0.03)
+        r["kvstream_device_apply_blocks_per_s"] / r["dynamo_apply_blocks_per_s"], rel=0.03, abs=0.01)
     assert r["cold_match_p50_ratio_vs_dynamo"] == pytest.approx(
-        r["kvstream_cold_match_p50_us"] / r["dynamo_cold_match_p50_us"], rel=0.03)
+        r["kvstream_cold_match_p50_us"] / r["dynamo_cold_match_p50_us"], rel=0.03, abs=0.01)
     assert r["cold_match_p50_ratio_vs_dynamo"] < 2, r
 
 
@@ -94,8 +98,30 @@ def test_publish_bench(kafka_bootstrap: str) -> None:
     assert r["block_events"] >= 300 * 16
     # The whole bridge → consolidator → publisher path against a raw produce of the same
     # pre-encoded messages: slower (0.03-0.25 measured), and the ratio is of the two.
-    assert r["ratio_to_baseline"] == pytest.approx(r["blocks_per_s"] / r["baseline_blocks_per_s"], rel=0.02)
+    assert r["ratio_to_baseline"] == pytest.approx(r["blocks_per_s"] / r["baseline_blocks_per_s"], rel=0.02, abs=1e-3)
     assert 0 < r["ratio_to_baseline"] < 1, r
     # Random hashes do not compress: at least 8 bytes (a removed block) per block event.
     assert r["wire_bytes_per_block_event"] >= 8 and r["baseline_wire_bytes_per_block_event"] >= 8
     assert r["records_per_produce_request"] >= 1
+
+
+def test_without_the_harness_kvstream_bench_says_what_to_do() -> None:
+    """An installed wheel has no bench/ (it is beside the package in a checkout): the
+    command stays, and says in one line where the harness is."""
+    root = Path(__file__).resolve().parents[2]
+    # ``sys.modules[name] = None`` makes the import fail, as where the package is absent.
+    code = "import sys; sys.modules['bench'] = None; from kvstream.cli import main; sys.argv[0] = 'kvstream'; main()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    for args in (["bench", "hashing", "--json"], ["bench"]):
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                             timeout=120, cwd=root)
+        assert res.returncode == 1, res
+        assert res.stdout == "" and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.splitlines() == [
+            "Error: the benchmark harness is not installed (it is bench/ in a kvstream source checkout): run "
+            "`kvstream bench` from a checkout installed with `pip install -e .`, or with the checkout on PYTHONPATH"
+        ], res.stderr
+    helped = subprocess.run([sys.executable, "-c", code, "bench", "--help"], capture_output=True, text=True,
+                            env=env, timeout=120, cwd=root)
+    assert helped.returncode == 0
+    assert "unavailable: the benchmark harness is not installed" in " ".join(helped.stdout.split())

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvstream.tools.bench import bench
+from bench import bench
 
 
 def run(args: list[str]) -> dict:

@@ -21,10 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvstream.settings import Settings
-from kvstream.tools.bench import bench
-from kvstream.tools.bench.backend import MODEL, backend_requests, start_backends
-from kvstream.tools.bench.peers import PeerOptions, start_peer
-from kvstream.tools.bench.procs import free_port, port_taken
+from bench import bench
+from bench.backend import MODEL, backend_requests, start_backends
+from bench.peers import PeerOptions, start_peer
+from kvstream.tools.procs import free_port, port_taken
 
 pytestmark = [pytest.mark.slow]
 
@@ -156,7 +156,7 @@ def test_sigterm_stops_what_the_bench_started() -> None:
     Ctrl-C; their process groups are killed)."""
     script = (
         "import time\n"
-        "from kvstream.tools.bench.backend import start_backends\n"
+        "from bench.backend import start_backends\n"
         "with start_backends(1, tokens=1) as b:\n"
         "    print(b[0].popen.pid, flush=True)\n"
         "    time.sleep(120)\n"

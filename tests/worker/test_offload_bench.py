@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from kvstream.tools.bench.offload import offload_bench  # noqa: E402
+from bench.offload import offload_bench  # noqa: E402
 
 
 def test_bench_reports_every_path(tmp_path):

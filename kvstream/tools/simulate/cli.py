@@ -23,7 +23,7 @@ from kvstream.router import RouterConfig, SchedulerConfig
 from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.policy import RATE_SCOPES
 from kvstream.settings import SettingsError, load_settings
-from kvstream.tools.bench.common import emit
+from kvstream.tools.output import emit
 from kvstream.tools.plotting import pyplot
 from kvstream.tools.simulate.engine import EngineConfig
 from kvstream.tools.simulate.errors import SimulationError

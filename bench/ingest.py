@@ -44,9 +44,9 @@ from kvstream.replica.record import Record
 from kvstream.replica.replica import Replica
 from kvstream.router import Router
 from kvstream.settings import FoldSettings
-from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.kafka_env import bench_topics, bootstrap_option, broker, produce_records
-from kvstream.tools.bench.restart import replica_options
+from bench.common import emit, json_option
+from bench.kafka_env import bench_topics, bootstrap_option, broker, produce_records
+from bench.restart import replica_options
 
 EPOCH = 1
 LEASE_MS = 24 * 3600 * 1000

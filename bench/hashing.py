@@ -9,7 +9,7 @@ import click
 import xxhash
 
 from kvstream import hashing
-from kvstream.tools.bench.common import best_of, emit, json_option
+from bench.common import best_of, emit, json_option
 
 
 def per_block_loop(tokens: list[int], block_size: int, seed: int, with_sequence: bool) -> tuple[list[int], list[int]]:

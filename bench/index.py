@@ -27,8 +27,8 @@ import numpy as np
 from kvstream.events.model import LOWER_TIERS, Removed, RouterEvent, Stored, Tier
 from kvstream.hashing import sequence_hashes
 from kvstream.router.index import TieredIndex, TierOverlap, WorkerKey
-from kvstream.tools.bench.dynamo_peer import side_by_side
-from kvstream.tools.bench.common import (
+from bench.dynamo_peer import side_by_side
+from bench.common import (
     dynamo_option,
     emit,
     json_option,

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import click
 import numpy as np
+
+from kvstream.tools.output import emit
+
+__all__ = ["best_of", "dynamo_option", "emit", "json_option", "percentiles_us", "rss_bytes", "time_calls"]
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 
@@ -41,17 +42,6 @@ def best_of(fn: Callable[[], object], loops: int, rounds: int = 5) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) / loops)
     return best
-
-
-def emit(result: dict[str, Any], as_json: bool) -> None:
-    """Print the result: one JSON object, or aligned ``key  value`` lines."""
-    result = {"machine": platform.machine(), "python": platform.python_version(), **result}
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    width = max(len(k) for k in result)
-    for k, v in result.items():
-        click.echo(f"{k:<{width}}  {v}")
 
 
 def rss_bytes() -> int:

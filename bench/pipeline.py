@@ -41,9 +41,9 @@ from kvstream.replica.fold import Outcome
 from kvstream.replica.replica import Replica
 from kvstream.router.index import REASONS
 from kvstream.settings import Settings, TopicSettings
-from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, wait_applied, wait_settled
-from kvstream.tools.bench.restart import LEASE_MS, replica_options
+from bench.common import emit, json_option
+from bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, wait_applied, wait_settled
+from bench.restart import LEASE_MS, replica_options
 from kvstream.worker.consolidator import RouterEventWriter
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 

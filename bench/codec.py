@@ -16,7 +16,7 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from kvstream.events.codec import EVENT_BATCH, EventCodec, unpack_u64
 from kvstream.events.model import U64_MAX, EventBatch, Stored, Tier
-from kvstream.tools.bench.common import best_of, emit, json_option
+from bench.common import best_of, emit, json_option
 
 
 def _baseline_schema(path: Path) -> Any:

@@ -8,7 +8,7 @@ the trace ``L`` × that fast, so ``L`` is the trace's rate relative to real time
 ``kvstream-ttft`` (one replica each), ``kvstream-ttft-4-replicas`` (four replicas, the
 replayer sending to them in turn: a plain round-robin balancer), ``vllm-router-kv_aware``
 (fed every engine's ZMQ KV events), ``vllm-router-cache_aware``,
-``sglang-router-cache_aware`` (pinned, kvstream.tools.bench.peers) and ``round_robin``
+``sglang-router-cache_aware`` (pinned, bench.peers) and ``round_robin``
 (the replayer sending to the engines in turn). sglang-router refuses token-id prompts
 (422, its request schema), so it gets the same prompts as words, one token per word at
 the engines (kvstream.tools.fleet.Scale.text): the same lengths and shared prefixes. The replayer is kvstream's own: no
@@ -36,9 +36,9 @@ import click
 from kvstream.kafka.topics import ensure_topics
 from kvstream.settings import Settings, TopicSettings
 from kvstream.tools import fleet
-from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.kafka_env import bootstrap_option, broker
-from kvstream.tools.bench.peers import PeerOptions, peer_versions, start_peer
+from bench.common import emit, json_option
+from bench.kafka_env import bootstrap_option, broker
+from bench.peers import PeerOptions, peer_versions, start_peer
 from kvstream.tools.plotting import pyplot
 
 ROUTERS = ("kvstream-kv", "kvstream-ttft", "kvstream-ttft-4-replicas", "vllm-router-kv_aware",

@@ -4,8 +4,8 @@ backend, for kvstream's gateway and the peer routers, in the same run (issue 22)
 Fronts: ``direct`` (the load generator talks to the backend: the baseline, always run
 first), ``kvstream`` (``kvstream router`` with ``[[gateway.workers]]``, on a local broker
 or ``--bootstrap``), ``sglang-router`` and ``vllm-router`` (pinned, from their own venv:
-kvstream.tools.bench.peers). Every front stands in front of the same backends
-(kvstream.tools.bench.backend), and the same load generator (oha) drives each in turn:
+bench.peers). Every front stands in front of the same backends
+(bench.backend), and the same load generator (oha) drives each in turn:
 
 1. closed loop (``--connections`` keep-alive connections, each sending its next request
    when the last is answered; with several counts, the best is the peak) for
@@ -39,17 +39,17 @@ import numpy as np
 import orjson
 
 from kvstream.settings import Settings
-from kvstream.tools.bench.backend import DEFAULT_TOKENS, MODEL, start_backends
-from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env
-from kvstream.tools.bench.loadgen import OHA_VERSION, ensure_oha, run_oha
-from kvstream.tools.bench.peers import (
+from bench.backend import DEFAULT_TOKENS, MODEL, start_backends
+from bench.common import emit, json_option
+from bench.kafka_env import bootstrap_option, kafka_env
+from bench.loadgen import OHA_VERSION, ensure_oha, run_oha
+from bench.peers import (
     PeerOptions,
     peer_versions,
     peers_venv,
     start_peer,
 )
-from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import ManagedProcess, free_port, wait_http
 
 FRONTS = ("direct", "kvstream", "sglang-router", "vllm-router")
 PATH = "/v1/completions"

@@ -17,9 +17,9 @@ from kvstream.events.wire import worker_key
 from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.kafka.metadata import topic_partitions
 from kvstream.settings import Settings
-from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.kafka_env import kafka_env
-from kvstream.tools.bench.wire import WireMeter, WireTotals
+from bench.common import emit, json_option
+from bench.kafka_env import kafka_env
+from bench.wire import WireMeter, WireTotals
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.publisher import KafkaPublisher, PublisherOptions
 from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint, ZmqEngineBridge

@@ -30,7 +30,7 @@ import click
 from kvstream.emulator.blocks import BlockPool
 from kvstream.emulator.options import EmulatorOptions
 from kvstream.emulator.scheduler import EngineRequest, Scheduler
-from kvstream.tools.bench.common import emit, json_option
+from bench.common import emit, json_option
 
 
 def _workload(n: int, prompt: int, shared: int) -> list[list[int]]:

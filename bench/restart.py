@@ -34,9 +34,9 @@ from kvstream.replica.snapshot import SnapshotStore, packed_worker
 from kvstream.replica.snapshotter import restore_fold
 from kvstream.router import Router
 from kvstream.settings import Settings
-from kvstream.tools.bench.common import emit, json_option
-from kvstream.tools.bench.index import make_workload
-from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
+from bench.common import emit, json_option
+from bench.index import make_workload
+from bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
 from kvstream.worker.publisher import PublisherOptions
 
 #: Workers in the log keep their lease for the whole run whatever the log clock says.

@@ -5,7 +5,7 @@ They are installed on first use into their own virtual environment,
 ``$KVSTREAM_PEER_CACHE`` or ``~/.cache/kvstream/peers/<hash of the pins>/`` (kept; a
 version bump makes a new one), and started on a free loopback port in front of a list of
 OpenAI-compatible backends (:func:`start_peer`), each in its own process group
-(kvstream.tools.bench.procs: stopped at the end of the block, at exit, on Ctrl-C and on
+(kvstream.tools.procs: stopped at the end of the block, at exit, on Ctrl-C and on
 SIGTERM). What they ask of a backend, as seen with kvstream's bench backend:
 
 - ``sglang-router``: ``/health`` (and, at startup, ``/get_server_info``,
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import click
 
-from kvstream.tools.bench.procs import HOST, ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import HOST, ManagedProcess, free_port, wait_http
 
 SGLANG_ROUTER_VERSION = "0.3.2"
 VLLM_ROUTER_VERSION = "0.1.17"

@@ -26,7 +26,7 @@ import click
 from kvstream.events.model import Stored, Tier
 from kvstream.hashing import sequence_hashes
 from kvstream.router.index import TieredIndex
-from kvstream.tools.bench.common import percentiles_us, rss_bytes, time_calls
+from bench.common import percentiles_us, rss_bytes, time_calls
 
 try:
     from dynamo._core import RadixTree

@@ -25,11 +25,11 @@ import numpy as np
 
 from kvstream import hashing
 from kvstream.router import Router, RouterConfig
-from kvstream.tools.bench.common import best_of, dynamo_option, emit, json_option, percentiles_us, time_calls
-from kvstream.tools.bench.dynamo_peer import side_by_side
-from kvstream.tools.bench.hashing import per_block_loop
-from kvstream.tools.bench.index import make_workload
-from kvstream.tools.bench.ingest_load import churn_records, route_under_ingest
+from bench.common import best_of, dynamo_option, emit, json_option, percentiles_us, time_calls
+from bench.dynamo_peer import side_by_side
+from bench.hashing import per_block_loop
+from bench.index import make_workload
+from bench.ingest_load import churn_records, route_under_ingest
 
 
 @click.command("route")
@@ -185,7 +185,7 @@ def route_bench(
             "route_buffer_p50_speedup_vs_reference": round(ref50 / buf50, 2),
             "decisions_speedup_vs_reference": round(decisions_per_s / decisions_per_s_ref, 2),
             # Buffer decisions under the same lock as a thread folding real decoded
-            # batches at the target rate (kvstream/tools/bench/ingest_load.py).
+            # batches at the target rate (bench/ingest_load.py).
             **(
                 {
                     "ingest_target_block_events_per_s": ingest_rate,

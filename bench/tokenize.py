@@ -33,7 +33,7 @@ from pathlib import Path
 
 import click
 
-from kvstream.tools.bench.common import emit, json_option, percentiles_us
+from bench.common import emit, json_option, percentiles_us
 
 LITELLM = "litellm==1.110.2"
 MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"

@@ -12,7 +12,7 @@ UTF-8 bytes (a chat renders as ``role: content`` lines); every output token is t
 placeholder. The answer's ``id`` names the backend's port and a request counter, so a
 client can tell which backend answered. Bad input gets vLLM's 4xx error body.
 
-Run as ``python -m kvstream.tools.bench.backend --port P``, one process per backend
+Run as ``python -m bench.backend --port P``, one process per backend
 (:func:`start_backends`).
 """
 
@@ -31,7 +31,7 @@ from typing import Any, cast
 import click
 import orjson
 
-from kvstream.tools.bench.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import ManagedProcess, free_port, wait_http
 
 #: The model name the backend serves.
 MODEL = "kvstream-bench"
@@ -357,7 +357,7 @@ def start_backends(count: int, tokens: int = DEFAULT_TOKENS, ready_timeout: floa
     try:
         for _ in range(count):
             port = free_port()
-            cmd = [sys.executable, "-m", "kvstream.tools.bench.backend", "--port", str(port), "--tokens", str(tokens)]
+            cmd = [sys.executable, "-m", "bench.backend", "--port", str(port), "--tokens", str(tokens)]
             proc = ManagedProcess.start(f"backend:{port}", cmd, port)
             procs.append(proc)
         for proc in procs:

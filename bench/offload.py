@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstream.events.model import Tier
 from kvstream.hashing import block_hashes
-from kvstream.tools.bench.common import emit, json_option
+from bench.common import emit, json_option
 
 _GB = 1e9
 _TARGET = 0.8

@@ -39,12 +39,12 @@ from kvstream.replica.cli import freeze_heap, http_limits, server_config
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
 from kvstream.settings import Settings
-from kvstream.tools.bench.common import emit, json_option, percentiles_us, time_calls
-from kvstream.tools.bench.index import make_workload
-from kvstream.tools.bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
+from bench.common import emit, json_option, percentiles_us, time_calls
+from bench.index import make_workload
+from bench.kafka_env import bootstrap_option, kafka_env, produce_records, wait_settled
 from kvstream.worker.announce import register_synthetic
-from kvstream.tools.bench.restart import replica_options, worker_log
-from kvstream.tools.bench.loadgen import ensure_oha, ensure_wrk, run_oha, run_wrk
+from bench.restart import replica_options, worker_log
+from bench.loadgen import ensure_oha, ensure_wrk, run_oha, run_wrk
 
 VOCAB = 152_064
 
