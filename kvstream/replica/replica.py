@@ -137,8 +137,14 @@ class Replica:
         # query waits behind a long-poll fetch and stalls ingest.
         self._offsets_consumer = Consumer(consumer_config(self.settings))
         peer = None if not o.peer_url else PeerSource(o.peer_url, o.peer_token, o.peer_max_bytes, o.peer_ca_file)
-        got = recover(self.settings, self.events_topic, self.fold, self.store, self._offsets_consumer, self.metrics,
-                      self._note, store_note=self._store_note, peer=peer)
+        try:
+            got = recover(self.settings, self.events_topic, self.fold, self.store, self._offsets_consumer,
+                          self.metrics, self._note, store_note=self._store_note, peer=peer)
+        except BaseException:
+            # A replica that could not start must not keep dialling the broker.
+            self._offsets_consumer.close()
+            self._offsets_consumer = None
+            raise
         self.topic_id = got.topic_id
         self._partitions = Partitions(got.partition_count)
         self._start_offsets = got.offsets
