@@ -356,10 +356,13 @@ async def _replay(
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     def client_for(target: str) -> openai.AsyncOpenAI:
+        # The SDK's aiohttp transport, not httpx's pool: with every request on one base
+        # URL (a router), httpx's pool held requests 0.4-2.8 s (mean) before their
+        # headers left, on this 2-core machine (docs/RESULTS.md, "Fleet head to head").
         if target not in clients:
             clients[target] = openai.AsyncOpenAI(
                 base_url=target.partition("#")[0] + "/v1", api_key="none", max_retries=0,
-                http_client=httpx.AsyncClient(limits=limits, timeout=timeout),
+                http_client=openai.DefaultAioHttpClient(limits=limits, timeout=timeout),
             )
         return clients[target]
 
