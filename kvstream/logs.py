@@ -28,7 +28,7 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     )
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
     # Client libraries log every request at INFO; their failures still show as warnings.
-    for noisy in ("httpx", "httpcore"):
+    for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
     structlog.configure(
         processors=[

@@ -4,8 +4,8 @@ Starts the local Kafka broker (unless ``--bootstrap``), ``--engines`` emulated v
 engines (``kvstream emulate``, with their ZMQ KV events) and their bridges (``kvstream
 worker --engine vllm``, which register each engine on kvstream.workers), and two router
 replicas serving the OpenAI API. A slice of the conversation trace is replayed through
-the replicas in turn with the official ``openai`` SDK (kvstream.tools.fleet: token-id
-prompts; the engines run ``--speed`` times faster than real time and the trace is
+the replicas in turn with the official ``openai`` SDK (kvstream.tools.fleet: prompts as
+words; the engines run ``--speed`` times faster than real time and the trace is
 replayed ``--speed`` × ``--load`` times faster, so that ``--load`` 1 is the trace's real
 load). Halfway, replica B is drained
 (no new requests), killed with SIGKILL and restarted from its snapshot. The same slice
@@ -135,13 +135,13 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, loa
                 r.wait_ready(n_engines)
             click.echo(f"replaying {len(reqs)} requests of {source} at {speed * load:g}x through the replicas ...", err=True)
             pair = _TwoReplicas(a, b, len(reqs) // 2, n_engines)
-            kv = fleet.replay(reqs, scale, pair.choose, on_done=pair.done)
+            kv = fleet.replay(reqs, scale, pair.choose, on_done=pair.done, text=True)
             pair.join()
             fleet.stop_all([e.proc for e in engines])
             click.echo("the same slice to fresh engines in turn (round-robin) ...", err=True)
             fresh = fleet.start_engines(n_engines, scale, speed)
             stack.callback(fleet.stop_all, [e.proc for e in fresh])
-            rr = fleet.replay(reqs, scale, lambda i: fresh[i % n_engines].url)
+            rr = fleet.replay(reqs, scale, lambda i: fresh[i % n_engines].url, text=True)
             _report(kv, rr, pair, source, speed, load, n_engines, policy)
     finally:
         if keep:

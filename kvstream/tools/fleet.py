@@ -8,7 +8,8 @@ demo`` and ``kvstream bench fleet`` share.
   model on ``kvstream.workers``, so that every replica's gateway routes to it.
 - **Replicas**: ``kvstream router`` processes serving the OpenAI API.
 - **Replay**: the trace's requests sent at their timestamps (divided by the speed) with
-  the official ``openai`` SDK (async, one task per request, streamed with usage), each
+  the official ``openai`` SDK (async, one task per request, streamed with usage, over
+  the SDK's aiohttp transport), each
   to the base URL a chooser gives; TTFT is the first chunk with text, the cached tokens
   are the engine's own (``usage.prompt_tokens_details.cached_tokens``).
 
@@ -19,9 +20,10 @@ under the emulator's fallback tokenizer (:meth:`Scale.text`); equal hash ids giv
 prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
 token-id prompts (422), and token-id prompts took this machine to saturation at half
 of the rate words did (round-robin, 8 engines, 3× the trace: 16 against 32 requests/s,
-TTFT p50 8.7 s against 0.43 s), a cost of the client and engine side, not of the
-engines' model. The demo sends token ids (at the trace's own load they are cheap
-enough, and the gateway then needs no tokenizer). Output lengths are scaled down alike.
+TTFT p50 8.7 s against 0.43 s), a cost of the client, not of the engines' model: the
+SDK walks a token-id prompt element by element (the demo's client used 9.4 s of CPU for
+800 of them against about 2.5 s as words, and its event loop lagged 0.15 s on average).
+The demo sends words too. Output lengths are scaled down alike.
 The engines' prefill and KV-read costs per token are multiplied by
 ``scale``, their G1 and host-tier capacities and step token budget divided by it, so a request keeps the real one's prefill
 time and cache footprint.
@@ -177,13 +179,27 @@ def start_engine(index: int, scale: Scale, speed: float, port: int | None = None
     return Engine(index, proc, events, replay)
 
 
+#: Starts of one engine: a free port found can be bound by another process before the
+#: engine binds it (a machine shared with other jobs).
+_PORT_TRIES = 3
+
+
 def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0) -> list[Engine]:
     engines: list[Engine] = []
     try:
         for i in range(count):
             engines.append(start_engine(i + 1, scale, speed))
-        for e in engines:
-            wait_http(e.proc, "/health", timeout)
+        for i, e in enumerate(engines):
+            for attempt in range(_PORT_TRIES):
+                try:
+                    wait_http(e.proc, "/health", timeout)
+                    break
+                except click.ClickException:
+                    lost_port = e.proc.popen.poll() is not None and "already in use" in e.proc.log_tail()
+                    if not lost_port or attempt == _PORT_TRIES - 1:
+                        raise
+                    e.proc.stop()
+                    e = engines[i] = start_engine(e.index, scale, speed)
     except BaseException:
         stop_all(e.proc for e in engines)
         raise
