@@ -9,9 +9,9 @@ demo`` and ``kvstream bench fleet`` share.
 - **Replicas**: ``kvstream router`` processes serving the OpenAI API.
 - **Replay**: the trace's requests sent at their timestamps (divided by the speed) with
   the official ``openai`` SDK (async, one task per request, streamed with usage, over
-  the SDK's aiohttp transport), each
-  to the base URL a chooser gives; TTFT is the first chunk with text, the cached tokens
-  are the engine's own (``usage.prompt_tokens_details.cached_tokens``).
+  the SDK's aiohttp transport), each to the base URL a chooser gives; TTFT is the first
+  chunk with text, the cached tokens are the engine's own
+  (``usage.prompt_tokens_details.cached_tokens``).
 
 **Prompts** come from the trace's hash ids: each id stands for ``tokens_per_id`` tokens
 (the trace's 512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16),
