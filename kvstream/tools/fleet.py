@@ -32,11 +32,16 @@ time and cache footprint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
+import re
+import subprocess
 import signal
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +65,48 @@ _DECODE_MS_PER_CONTEXT_TOKEN = 4e-5
 _GPU_BLOCKS = 16_384
 _BATCHED_TOKENS = 8192
 _CPU_BLOCKS = 65_536
+
+
+#: A real tokenizer.json (DeepSeek's, MIT) inside the litellm wheel: the engines and the
+#: replicas' gateways load the same one, so that the gateway tokenizes text itself.
+_TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
+#: Words that are one token each with their leading space (lower-case ASCII entries of
+#: the byte-level vocabulary).
+_WORD = re.compile("\u0120([a-z]{3,12})")
+
+
+def local_tokenizer() -> Path:
+    """DeepSeek's tokenizer.json from the litellm wheel (fetched with pip once, cached
+    under ~/.cache/kvstream)."""
+    cached = Path.home() / ".cache" / "kvstream" / "deepseek_tokenizer.json"
+    if cached.is_file():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "litellm", "-d", tmp, "-q"],
+                           check=True, timeout=600, capture_output=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            raise click.ClickException(f"cannot fetch the litellm wheel for its tokenizer.json: {exc}") from None
+        wheel = next(Path(tmp).glob("litellm-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            part = cached.with_suffix(".part")
+            part.write_bytes(z.read(_TOKENIZER_MEMBER))
+            part.rename(cached)
+    return cached
+
+
+@functools.cache
+def single_token_words(tokenizer: Path) -> tuple[str, ...]:
+    """The words of ``tokenizer`` that are one token each after a space, checked by
+    tokenizing them all in one text (so no two of them merge either)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    words = tuple(sorted(m.group(1) for w in tok.get_vocab() if (m := _WORD.fullmatch(w))))
+    if len(tok.encode(" " + " ".join(words), add_special_tokens=False).ids) != len(words):
+        raise click.ClickException(f"{tokenizer}: its words are not one token each")
+    return words
 
 
 def default_trace() -> Path | None:
@@ -118,6 +165,9 @@ class Scale:
     #: 65,536 divided by ``factor``; 0: none). The trace's conversations come back after
     #: minutes, by when a real engine's G1 has long evicted them.
     cpu_blocks: int | None = None
+    #: A tokenizer.json for the engines and the gateways alike (None: the emulator's
+    #: fallback tokenizer, and the gateways ask an engine's /tokenize).
+    tokenizer: Path | None = None
 
     @property
     def tokens_per_id(self) -> int:
@@ -137,8 +187,12 @@ class Scale:
     def text(self, req: Request) -> str:
         """The same prompt as words, one per token id (for a router that takes no token-id
         prompts): the emulator's fallback tokenizer makes each word one token, so the
-        engines see prompts of the same lengths sharing the same prefixes."""
-        return " ".join(f"t{t}" for t in self.prompt(req))
+        engines see prompts of the same lengths sharing the same prefixes. With a
+        ``tokenizer``, the words are its single-token words."""
+        if self.tokenizer is None:
+            return " ".join(f"t{t}" for t in self.prompt(req))
+        words = single_token_words(self.tokenizer)
+        return "".join(" " + words[t % len(words)] for t in self.prompt(req))
 
     def max_tokens(self, req: Request) -> int:
         return max(1, math.ceil(req.output_length / self.factor))
@@ -152,6 +206,7 @@ class Scale:
             "--block-size", str(self.block_size),
             "--prefill-ms-per-token", str(_PREFILL_MS_PER_TOKEN * self.factor),
             "--decode-ms-per-context-token", str(_DECODE_MS_PER_CONTEXT_TOKEN * self.factor),
+            *(["--tokenizer", str(self.tokenizer)] if self.tokenizer is not None else []),
         ]
 
 
@@ -227,6 +282,8 @@ class Replica:
     prefix: str
     policy: str
     snapshot_dir: Path
+    #: The engines' tokenizer.json: the gateway tokenizes text with it (None: on an engine).
+    tokenizer: Path | None = None
     port: int = field(default_factory=free_port)
     proc: ManagedProcess | None = None
 
@@ -237,13 +294,17 @@ class Replica:
     def start(self, restart: bool = False) -> None:
         cmd = [*_CLI, "router", "--bootstrap", self.bootstrap, "--port", str(self.port),
                "--snapshot-dir", str(self.snapshot_dir)]
+        if self.tokenizer is not None:
+            # The engines' own tokenizer.json: no /tokenize round trip per text prompt.
+            config = self.snapshot_dir.with_name(self.snapshot_dir.name + ".toml")
+            config.write_text(f'[gateway]\ntokenize = "local"\n[[gateway.models]]\nname = "{MODEL}"\n'
+                              f"tokenizer = {str(self.tokenizer)!r}\n")
+            cmd += ["--config", str(config)]
         env = kafka_env(self.prefix, {
             "KVSTREAM_ROUTER__POLICY": self.policy,
             "KVSTREAM_ROUTER__BLOCK_SIZE": "16",
             "KVSTREAM_REPLICA__SNAPSHOT_EVERY_S": "2",
-            # Text prompts get their ids from an engine's /tokenize (the engines'
-            # fallback tokenizer is no local tokenizer.json).
-            "KVSTREAM_GATEWAY__TOKENIZE": "engine",
+            **({} if self.tokenizer is not None else {"KVSTREAM_GATEWAY__TOKENIZE": "engine"}),
         })
         self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart)
 
