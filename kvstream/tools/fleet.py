@@ -16,8 +16,10 @@ demo`` and ``kvstream bench fleet`` share.
 **Prompts** come from the trace's hash ids: each id stands for ``tokens_per_id`` tokens
 (the trace's 512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16),
 sent as token ids (``prompt: [ids]``, :meth:`Scale.prompt`) or as words, one token each
-under the emulator's fallback tokenizer (:meth:`Scale.text`); equal hash ids give equal
-prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
+(:meth:`Scale.text`): under the emulator's fallback tokenizer, or, with
+``Scale.tokenizer`` (the demo and the bench: :func:`local_tokenizer`), under a real
+tokenizer.json that the engines and the replicas' gateways both load, so that the
+gateway tokenizes text itself; equal hash ids give equal prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
 token-id prompts (422), and token-id prompts took this machine to saturation at half
 of the rate words did (round-robin, 8 engines, 3× the trace: 16 against 32 requests/s,
 TTFT p50 8.7 s against 0.43 s), a cost of the client, not of the engines' model: the
