@@ -46,7 +46,8 @@ ROUTERS = ("kvstream-kv", "kvstream-ttft", "kvstream-ttft-4-replicas", "vllm-rou
 
 
 @contextmanager
-def _front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path) -> Iterator[tuple[Callable[[int], str], list[Any]]]:
+def _front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path,
+           tokenizer: Path | None) -> Iterator[tuple[Callable[[int], str], list[Any]]]:
     """A chooser of base URLs for request i, and the router processes (for their CPU)."""
     urls = [e.url for e in engines]
     with ExitStack() as stack:
@@ -66,7 +67,7 @@ def _front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path)
         bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
         stack.callback(fleet.stop_all, bridges)
         policy = "kv" if router == "kvstream-kv" else "ttft"
-        replicas = [fleet.Replica(str(n), bootstrap, prefix, policy, work / f"{prefix}{n}")
+        replicas = [fleet.Replica(str(n), bootstrap, prefix, policy, work / f"{prefix}{n}", tokenizer)
                     for n in range(4 if router.endswith("4-replicas") else 1)]
         for r in replicas:
             r.start()
@@ -112,7 +113,7 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
     if quick:
         n_engines, requests, factors, kill_engine = min(n_engines, 2), 120, factors[:1], False
     trace = trace or fleet.default_trace()
-    scale = fleet.Scale()
+    scale = fleet.Scale(tokenizer=fleet.local_tokenizer())
     out: dict[str, Any] = {"engines": n_engines, "requests": requests, "engine_speed": engine_speed, "loads": factors,
                            "peers": peer_versions(), "scale": scale.factor, "tokens_per_id": scale.tokens_per_id,
                            "replayer": "kvstream.tools.fleet (openai SDK, asyncio)", "routers": {}}
@@ -162,7 +163,7 @@ def _run(router: str, reqs: list[Any], scale: fleet.Scale, speed: float, n_engin
     """One router at one load on fresh engines: the replay's summary, the routers' CPU."""
     engines = fleet.start_engines(n_engines, scale, speed)
     try:
-        with _front(router, engines, bootstrap, work) as (choose, procs):
+        with _front(router, engines, bootstrap, work, scale.tokenizer) as (choose, procs):
 
             def on_sent(i: int) -> None:
                 if kill and i == len(reqs) // 2:

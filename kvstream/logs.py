@@ -37,7 +37,7 @@ def configure_logging(level: str = DEFAULT_LEVEL, fmt: str = DEFAULT_FORMAT) -> 
     # Again when a command has read the settings: basicConfig then leaves the root as it was.
     logging.getLogger().setLevel(level.upper())
     # Client libraries log every request at INFO; their failures still show as warnings.
-    for noisy in ("httpx", "httpcore"):
+    for noisy in ("httpx", "httpx2", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
     structlog.configure(
         processors=[

@@ -70,8 +70,9 @@ def _prompt(body: Mapping[str, Any], tokenizer: EngineTokenizer) -> list[int]:
         raise RequestError("prompt must be a string, a list of token ids, or a list of one of them", param="prompt")
     if not ids:
         raise RequestError("The prompt cannot be empty.", param="prompt")
-    if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
-        raise RequestError(f"Token id out of vocabulary (0 to {tokenizer.vocab_size - 1})", param="prompt")
+    vocab = tokenizer.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+        raise RequestError(f"Token id out of vocabulary (0 to {vocab - 1})", param="prompt")
     return ids
 
 

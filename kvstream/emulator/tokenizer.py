@@ -76,9 +76,13 @@ class EngineTokenizer:
             except (OSError, TemplateError) as exc:
                 raise EmulatorConfigError(f"cannot read the chat template {chat_template}: {exc}") from None
 
+        # Read once: tokenizers counts the vocabulary on every call (40 µs), and every
+        # prompt token is checked against it.
+        self._vocab_size = self._hf.get_vocab_size() if self._hf is not None else FALLBACK_VOCAB
+
     @property
     def vocab_size(self) -> int:
-        return self._hf.get_vocab_size() if self._hf is not None else FALLBACK_VOCAB
+        return self._vocab_size
 
     def encode(self, text: str, special: bool) -> list[int]:
         if self._hf is not None:

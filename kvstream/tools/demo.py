@@ -4,8 +4,9 @@ Starts the local Kafka broker (unless ``--bootstrap``), ``--engines`` emulated v
 engines (``kvstream emulate``, with their ZMQ KV events) and their bridges (``kvstream
 worker --engine vllm``, which register each engine on kvstream.workers), and two router
 replicas serving the OpenAI API. A slice of the conversation trace is replayed through
-the replicas in turn with the official ``openai`` SDK (kvstream.tools.fleet: token-id
-prompts; the engines run ``--speed`` times faster than real time and the trace is
+the replicas in turn with the official ``openai`` SDK (kvstream.tools.fleet: prompts as
+words of a real tokenizer.json that the engines and the replicas' gateways both load,
+one token each; the engines run ``--speed`` times faster than real time and the trace is
 replayed ``--speed`` × ``--load`` times faster, so that ``--load`` 1 is the trace's real
 load). Halfway, replica B is drained
 (no new requests), killed with SIGKILL and restarted from its snapshot. The same slice
@@ -110,7 +111,7 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, loa
         raise click.ClickException(f"port {port} on 127.0.0.1 is taken")
     trace = trace or fleet.default_trace()
     reqs, source = fleet.load_requests(trace, requests, speed * load)
-    scale = fleet.Scale(gpu_blocks=gpu_blocks)
+    scale = fleet.Scale(gpu_blocks=gpu_blocks, tokenizer=fleet.local_tokenizer())
     work = Path(tempfile.mkdtemp(prefix="kvstream-demo-"))
     try:
         with ExitStack() as stack:
@@ -126,8 +127,9 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, loa
             stack.callback(fleet.stop_all, [e.proc for e in engines])
             bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
             stack.callback(fleet.stop_all, bridges)
-            a = fleet.Replica("A", bootstrap, prefix, policy, work / "snap-A", **({"port": port} if port else {}))
-            b = fleet.Replica("B", bootstrap, prefix, policy, work / "snap-B")
+            a = fleet.Replica("A", bootstrap, prefix, policy, work / "snap-A", scale.tokenizer,
+                              **({"port": port} if port else {}))
+            b = fleet.Replica("B", bootstrap, prefix, policy, work / "snap-B", scale.tokenizer)
             for r in (a, b):
                 r.start()
                 stack.callback(r.stop)
@@ -135,13 +137,13 @@ def demo(bootstrap: str | None, n_engines: int, requests: int, speed: float, loa
                 r.wait_ready(n_engines)
             click.echo(f"replaying {len(reqs)} requests of {source} at {speed * load:g}x through the replicas ...", err=True)
             pair = _TwoReplicas(a, b, len(reqs) // 2, n_engines)
-            kv = fleet.replay(reqs, scale, pair.choose, on_done=pair.done)
+            kv = fleet.replay(reqs, scale, pair.choose, on_done=pair.done, text=True)
             pair.join()
             fleet.stop_all([e.proc for e in engines])
             click.echo("the same slice to fresh engines in turn (round-robin) ...", err=True)
             fresh = fleet.start_engines(n_engines, scale, speed)
             stack.callback(fleet.stop_all, [e.proc for e in fresh])
-            rr = fleet.replay(reqs, scale, lambda i: fresh[i % n_engines].url)
+            rr = fleet.replay(reqs, scale, lambda i: fresh[i % n_engines].url, text=True)
             _report(kv, rr, pair, source, speed, load, n_engines, policy)
     finally:
         if keep:

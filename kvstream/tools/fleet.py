@@ -8,20 +8,24 @@ demo`` and ``kvstream bench fleet`` share.
   model on ``kvstream.workers``, so that every replica's gateway routes to it.
 - **Replicas**: ``kvstream router`` processes serving the OpenAI API.
 - **Replay**: the trace's requests sent at their timestamps (divided by the speed) with
-  the official ``openai`` SDK (async, one task per request, streamed with usage), each
-  to the base URL a chooser gives; TTFT is the first chunk with text, the cached tokens
-  are the engine's own (``usage.prompt_tokens_details.cached_tokens``).
+  the official ``openai`` SDK (async, one task per request, streamed with usage, over
+  the SDK's aiohttp transport), each to the base URL a chooser gives; TTFT is the first
+  chunk with text, the cached tokens are the engine's own
+  (``usage.prompt_tokens_details.cached_tokens``).
 
 **Prompts** come from the trace's hash ids: each id stands for ``tokens_per_id`` tokens
 (the trace's 512 scaled down by ``scale``, 16 by default: 32 tokens, two blocks of 16),
 sent as token ids (``prompt: [ids]``, :meth:`Scale.prompt`) or as words, one token each
-under the emulator's fallback tokenizer (:meth:`Scale.text`); equal hash ids give equal
-prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
+(:meth:`Scale.text`): under the emulator's fallback tokenizer, or, with
+``Scale.tokenizer`` (the demo and the bench: :func:`local_tokenizer`), under a real
+tokenizer.json that the engines and the replicas' gateways both load, so that the
+gateway tokenizes text itself; equal hash ids give equal prompts either way. Words are what ``kvstream bench fleet`` sends: sglang-router refuses
 token-id prompts (422), and token-id prompts took this machine to saturation at half
 of the rate words did (round-robin, 8 engines, 3× the trace: 16 against 32 requests/s,
-TTFT p50 8.7 s against 0.43 s), a cost of the client and engine side, not of the
-engines' model. The demo sends token ids (at the trace's own load they are cheap
-enough, and the gateway then needs no tokenizer). Output lengths are scaled down alike.
+TTFT p50 8.7 s against 0.43 s), a cost of the client, not of the engines' model: the
+SDK walks a token-id prompt element by element (the demo's client used 9.4 s of CPU for
+800 of them against about 2.5 s as words, and its event loop lagged 0.15 s on average).
+The demo sends words too. Output lengths are scaled down alike.
 The engines' prefill and KV-read costs per token are multiplied by
 ``scale``, their G1 and host-tier capacities and step token budget divided by it, so a request keeps the real one's prefill
 time and cache footprint.
@@ -30,11 +34,16 @@ time and cache footprint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
+import re
+import subprocess
 import signal
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +67,48 @@ _DECODE_MS_PER_CONTEXT_TOKEN = 4e-5
 _GPU_BLOCKS = 16_384
 _BATCHED_TOKENS = 8192
 _CPU_BLOCKS = 65_536
+
+
+#: A real tokenizer.json (DeepSeek's, MIT) inside the litellm wheel: the engines and the
+#: replicas' gateways load the same one, so that the gateway tokenizes text itself.
+_TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
+#: Words that are one token each with their leading space (lower-case ASCII entries of
+#: the byte-level vocabulary).
+_WORD = re.compile("\u0120([a-z]{3,12})")
+
+
+def local_tokenizer() -> Path:
+    """DeepSeek's tokenizer.json from the litellm wheel (fetched with pip once, cached
+    under ~/.cache/kvstream)."""
+    cached = Path.home() / ".cache" / "kvstream" / "deepseek_tokenizer.json"
+    if cached.is_file():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "litellm", "-d", tmp, "-q"],
+                           check=True, timeout=600, capture_output=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            raise click.ClickException(f"cannot fetch the litellm wheel for its tokenizer.json: {exc}") from None
+        wheel = next(Path(tmp).glob("litellm-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            part = cached.with_suffix(".part")
+            part.write_bytes(z.read(_TOKENIZER_MEMBER))
+            part.rename(cached)
+    return cached
+
+
+@functools.cache
+def single_token_words(tokenizer: Path) -> tuple[str, ...]:
+    """The words of ``tokenizer`` that are one token each after a space, checked by
+    tokenizing them all in one text (so no two of them merge either)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    words = tuple(sorted(m.group(1) for w in tok.get_vocab() if (m := _WORD.fullmatch(w))))
+    if len(tok.encode(" " + " ".join(words), add_special_tokens=False).ids) != len(words):
+        raise click.ClickException(f"{tokenizer}: its words are not one token each")
+    return words
 
 
 def default_trace() -> Path | None:
@@ -116,6 +167,9 @@ class Scale:
     #: 65,536 divided by ``factor``; 0: none). The trace's conversations come back after
     #: minutes, by when a real engine's G1 has long evicted them.
     cpu_blocks: int | None = None
+    #: A tokenizer.json for the engines and the gateways alike (None: the emulator's
+    #: fallback tokenizer, and the gateways ask an engine's /tokenize).
+    tokenizer: Path | None = None
 
     @property
     def tokens_per_id(self) -> int:
@@ -135,8 +189,12 @@ class Scale:
     def text(self, req: Request) -> str:
         """The same prompt as words, one per token id (for a router that takes no token-id
         prompts): the emulator's fallback tokenizer makes each word one token, so the
-        engines see prompts of the same lengths sharing the same prefixes."""
-        return " ".join(f"t{t}" for t in self.prompt(req))
+        engines see prompts of the same lengths sharing the same prefixes. With a
+        ``tokenizer``, the words are its single-token words."""
+        if self.tokenizer is None:
+            return " ".join(f"t{t}" for t in self.prompt(req))
+        words = single_token_words(self.tokenizer)
+        return "".join(" " + words[t % len(words)] for t in self.prompt(req))
 
     def max_tokens(self, req: Request) -> int:
         return max(1, math.ceil(req.output_length / self.factor))
@@ -150,6 +208,7 @@ class Scale:
             "--block-size", str(self.block_size),
             "--prefill-ms-per-token", str(_PREFILL_MS_PER_TOKEN * self.factor),
             "--decode-ms-per-context-token", str(_DECODE_MS_PER_CONTEXT_TOKEN * self.factor),
+            *(["--tokenizer", str(self.tokenizer)] if self.tokenizer is not None else []),
         ]
 
 
@@ -177,13 +236,27 @@ def start_engine(index: int, scale: Scale, speed: float, port: int | None = None
     return Engine(index, proc, events, replay)
 
 
+#: Starts of one engine: a free port found can be bound by another process before the
+#: engine binds it (a machine shared with other jobs).
+_PORT_TRIES = 3
+
+
 def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0) -> list[Engine]:
     engines: list[Engine] = []
     try:
         for i in range(count):
             engines.append(start_engine(i + 1, scale, speed))
-        for e in engines:
-            wait_http(e.proc, "/health", timeout)
+        for i, e in enumerate(engines):
+            for attempt in range(_PORT_TRIES):
+                try:
+                    wait_http(e.proc, "/health", timeout)
+                    break
+                except click.ClickException:
+                    lost_port = e.proc.popen.poll() is not None and "already in use" in e.proc.log_tail()
+                    if not lost_port or attempt == _PORT_TRIES - 1:
+                        raise
+                    e.proc.stop()
+                    e = engines[i] = start_engine(e.index, scale, speed)
     except BaseException:
         stop_all(e.proc for e in engines)
         raise
@@ -211,6 +284,8 @@ class Replica:
     prefix: str
     policy: str
     snapshot_dir: Path
+    #: The engines' tokenizer.json: the gateway tokenizes text with it (None: on an engine).
+    tokenizer: Path | None = None
     port: int = field(default_factory=free_port)
     proc: ManagedProcess | None = None
 
@@ -221,13 +296,17 @@ class Replica:
     def start(self, restart: bool = False) -> None:
         cmd = [*_CLI, "router", "--bootstrap", self.bootstrap, "--port", str(self.port),
                "--snapshot-dir", str(self.snapshot_dir)]
+        if self.tokenizer is not None:
+            # The engines' own tokenizer.json: no /tokenize round trip per text prompt.
+            config = self.snapshot_dir.with_name(self.snapshot_dir.name + ".toml")
+            config.write_text(f'[gateway]\ntokenize = "local"\n[[gateway.models]]\nname = "{MODEL}"\n'
+                              f"tokenizer = {str(self.tokenizer)!r}\n")
+            cmd += ["--config", str(config)]
         env = kafka_env(self.prefix, {
             "KVSTREAM_ROUTER__POLICY": self.policy,
             "KVSTREAM_ROUTER__BLOCK_SIZE": "16",
             "KVSTREAM_REPLICA__SNAPSHOT_EVERY_S": "2",
-            # Text prompts get their ids from an engine's /tokenize (the engines'
-            # fallback tokenizer is no local tokenizer.json).
-            "KVSTREAM_GATEWAY__TOKENIZE": "engine",
+            **({} if self.tokenizer is not None else {"KVSTREAM_GATEWAY__TOKENIZE": "engine"}),
         })
         self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart)
 
@@ -356,10 +435,13 @@ async def _replay(
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     def client_for(target: str) -> openai.AsyncOpenAI:
+        # The SDK's aiohttp transport, not httpx's pool: with every request on one base
+        # URL (a router), httpx's pool held requests 0.4-2.8 s (mean) before their
+        # headers left, on this 2-core machine (docs/RESULTS.md, "Fleet head to head").
         if target not in clients:
             clients[target] = openai.AsyncOpenAI(
                 base_url=target.partition("#")[0] + "/v1", api_key="none", max_retries=0,
-                http_client=httpx.AsyncClient(limits=limits, timeout=timeout),
+                http_client=openai.DefaultAioHttpClient(limits=limits, timeout=timeout),
             )
         return clients[target]
 
