@@ -72,6 +72,12 @@ def sees(env: Env, emu: Emulator, wid: int, toks: list[int], expected: TierOverl
     eventually(lambda: overlap(env, wid, toks), expected)
 
 
+def registered(env: Env, *wids: int) -> None:
+    """Wait for the replica to fold the bridges' registrations: routing admits registered
+    workers only, and a bridge registers once its engine's sockets are up."""
+    eventually(lambda: set(wids) <= set(env.replica.registry.registrations()), True)
+
+
 def test_the_bridge_carries_emulated_blocks_to_routing(
         env: Env, emulator_factory: Callable[..., Emulator], bridge: Callable[[Emulator], int]) -> None:  # noqa: F811
     a = emulator_factory("--speed", "20", "--num-gpu-blocks", "96", "--max-model-len", "512")
@@ -82,6 +88,7 @@ def test_the_bridge_carries_emulated_blocks_to_routing(
     complete(b, list(range(20_000, 20_128)))
     sees(env, a, wa, shared, TierOverlap(device=8))
     sees(env, b, wb, shared, NO_OVERLAP)
+    registered(env, wa, wb)
     allowed = SchedulerOverrides(allowed_workers=frozenset({wa, wb}))
     decision = env.replica.route(shared + list(range(7, 40)), query_only=True, overrides=allowed)
     assert decision.worker == WorkerKey(wa, 0)
@@ -112,6 +119,7 @@ def test_the_bridge_resolves_the_host_tier(
     sees(env, a, wa, shared, TierOverlap(host_pinned=8))
     complete(b, list(range(60_000, 60_128)))
     sees(env, b, wb, shared, NO_OVERLAP)
+    registered(env, wa, wb)
     allowed = SchedulerOverrides(allowed_workers=frozenset({wa, wb}))
     assert env.replica.route(shared + [1, 2, 3], query_only=True, overrides=allowed).worker == WorkerKey(wa, 0)
     assert complete(a, shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 112  # loaded from the host

@@ -30,12 +30,11 @@ def test_pipeline_bench(kafka_bootstrap: str) -> None:
         "--prompt-blocks", "64", "--capacity", "4000", "--partitions", "2", "--seconds", "1",
     )
     assert out["bench"] == "pipeline"
-    # Publish, decode and apply against a bare consume of the same records: slower
-    # (0.09-0.28 at this size, 0.03 at full size). A replay's ratio (0.25-0.54 here) is
-    # reported, not bounded: at this size both it and the baseline are mostly the
-    # consumer's start.
+    # Publish, decode and apply against a bare consume of the same records (0.03 at full
+    # size). At this size neither ratio is bounded: the baseline and the replay are mostly
+    # the consumer's start (0.09-2.0 seen for the pipeline, 0.25-0.54 for the replay), so
+    # only that each ratio is its two figures' is asserted.
     assert out["ratio_to_baseline"] == pytest.approx(out["blocks_per_s"] / out["baseline_blocks_per_s"], rel=0.02, abs=1e-3)
-    assert 0 < out["ratio_to_baseline"] < 1, out
     assert out["replay_ratio_to_baseline"] == pytest.approx(
         out["replay_blocks_per_s"] / out["baseline_blocks_per_s"], rel=0.02, abs=1e-3)
     # Stores of 64-block prompts plus the evictions once a worker holds 4000 blocks.

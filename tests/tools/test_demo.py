@@ -19,7 +19,7 @@ _ROW = re.compile(r"^(kvstream kv \(2 replicas\)|round-robin)\s+(\d+)\s+(\d+)\s+
 @pytest.mark.timeout(400)
 def test_demo_beats_round_robin_and_recovers_a_replica(kafka_bootstrap: str) -> None:
     proc = subprocess.run(
-        [KVSTREAM, "demo", "--bootstrap", kafka_bootstrap, "--engines", "2", "--requests", "400", "--speed", "8", "--load", "0.5"],
+        [KVSTREAM, "demo", "--bootstrap", kafka_bootstrap, "--engines", "4", "--requests", "400", "--speed", "8", "--load", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=360,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
