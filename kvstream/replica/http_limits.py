@@ -157,16 +157,20 @@ class _HeadWithBody:
     the first bytes of the body, and both leave in one write (one system call, one TCP
     segment) instead of uvicorn's two, which cost as much as a routing decision."""
 
-    __slots__ = ("_transport", "_cycle", "_head", "_sent")
+    __slots__ = ("_cycle", "_head", "_sent", "_transport")
 
     def __init__(self, transport: asyncio.Transport, cycle: Any) -> None:
-        self._transport, self._cycle = transport, cycle
+        self._transport = transport
+        self._cycle: Any = cycle
         self._head: bytes | None = None
         self._sent = False  # the head has left (or is held)
         respond = cycle.on_response
 
-        def on_response() -> None:  # a response without body bytes (HEAD): its head now
+        def on_response() -> None:  # the response ended; one without body bytes (HEAD): its head now
             self.flush()
+            # Unlinked from the cycle: the two refer to each other, and a cycle per request
+            # would leave every request's objects to the garbage collector's pauses.
+            self._cycle = None
             respond()
 
         cycle.on_response = on_response
@@ -174,7 +178,7 @@ class _HeadWithBody:
     def write(self, data: bytes) -> None:
         # The head is the first write once the response has started (a "100 Continue"
         # is written before it, and passes at once).
-        if not self._sent and self._cycle.response_started:
+        if not self._sent and self._cycle is not None and self._cycle.response_started:
             self._head, self._sent = data, True
         elif self._head is not None:
             head, self._head = self._head, None
