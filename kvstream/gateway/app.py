@@ -13,7 +13,6 @@ token as ``Authorization: Bearer`` (what the openai SDK sends as its api key).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
@@ -167,7 +166,7 @@ class Gateway:
                 given = v.decode("latin-1") if given is None else given
             elif k == b"authorization":
                 authorization = v.decode("latin-1") if authorization is None else authorization
-        request_id = given if given is not None and request_ids.is_safe(given) else secrets.token_hex(12)
+        request_id = given if given is not None and request_ids.is_safe(given) else request_ids.mint()
         known = ""  # the model label: only names the directory knows
         try:
             if not self.tokens.allows(authorization or "", (Scope.CLIENT,)):

@@ -11,12 +11,12 @@ snapshot holds it, the op waits in a thread, and the loop keeps relaying.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import anyio
 
+from kvstream.replica import request_ids
 from kvstream.replica.replica import Replica
 from kvstream.router.active import AddRequest
 from kvstream.router.errors import RouterError
@@ -47,7 +47,7 @@ class RequestLife:
 
     def __init__(self, replica: Replica, limiter: anyio.CapacityLimiter) -> None:
         self.replica, self.limiter = replica, limiter
-        self.request_id = f"gw-{secrets.token_hex(8)}"
+        self.request_id = request_ids.mint("gw-")
         self.added = False
         self.prefilled = False
         #: The add op, until it is on its way to the peers.

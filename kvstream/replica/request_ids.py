@@ -11,7 +11,10 @@ replica id, and the receiver scopes it.
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
+import secrets
 
 MAX_LENGTH = 128
 #: The safe set, as a regular expression (also the OpenAPI ``pattern``).
@@ -32,3 +35,23 @@ def scoped(replica_id: str, request_id: str) -> str:
 def unscoped(key: str) -> str:
     """The client's id of a scoped one (client ids never contain the separator)."""
     return key.rpartition(_SEP)[2]
+
+
+class _Minter:
+    """Ids unique to this process (a random prefix, then a count): as unique as random
+    ones among replicas and their restarts, without a system call per request (the
+    gateway mints two per request; ``secrets`` read the OS's random source each time)."""
+
+    def __init__(self) -> None:
+        self.reseed()
+
+    def reseed(self) -> None:
+        self.prefix, self.count = secrets.token_hex(8), itertools.count()
+
+    def __call__(self, tag: str = "") -> str:
+        return f"{tag}{self.prefix}{next(self.count):x}"
+
+
+#: ``mint(tag)``: a new id, ``tag`` first (safe: hex digits after it).
+mint = _Minter()
+os.register_at_fork(after_in_child=mint.reseed)
