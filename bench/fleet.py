@@ -142,7 +142,9 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
             for n, (router, load, kill) in enumerate(runs):
                 reqs, out["trace"] = fleet.load_requests(trace, requests, engine_speed * load)
                 replayer = replayers[router.startswith("sglang")]
-                row = _run(router, reqs, scale, engine_speed, n_engines, servers, Path(tmp) / str(n), kill, replayer)
+                work = Path(tmp) / str(n)
+                work.mkdir()
+                row = _run(router, reqs, scale, engine_speed, n_engines, servers, work, kill, replayer)
                 name = router + ("-engine-killed" if kill else "")
                 out["routers"].setdefault(name, {})[f"{load:g}x"] = row
                 click.echo(f"{name} load {load:g}x: {row}", err=True)
@@ -186,9 +188,25 @@ def _run(router: str, reqs: list[Any], scale: fleet.Scale, speed: float, n_engin
             cpu0 = sum(p.cpu_seconds() for p in procs)
             s, extra = replayer.replay(reqs, scale, targets, work / "replay")
             cpu = sum(p.cpu_seconds() for p in procs) - cpu0
+        engine_ttft = _engine_ttft_ms(engines[1:] if kill else engines)
     finally:
         fleet.stop_all([e.proc for e in engines])
-    return s.as_dict() | extra | {"router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg()}
+    return s.as_dict() | extra | {"engine_ttft_mean_ms": engine_ttft, "router_cpu_s": round(cpu, 2),
+                                  "loadavg": fleet.loadavg()}
+
+
+def _engine_ttft_ms(engines: list[fleet.Engine]) -> float | None:
+    """The engines' own mean TTFT (``vllm:time_to_first_token_seconds``, from arrival):
+    what the replayer's TTFT is beside the router's hop and the client's own time."""
+    total = count = 0.0
+    with httpx.Client(timeout=10.0) as client:
+        for e in engines:
+            for line in client.get(e.url + "/metrics").text.splitlines():
+                if line.startswith("vllm:time_to_first_token_seconds_sum"):
+                    total += float(line.split()[-1])
+                elif line.startswith("vllm:time_to_first_token_seconds_count"):
+                    count += float(line.split()[-1])
+    return round(1000 * total / count, 2) if count else None
 
 
 #: The engines' samples whose sum is the requests they have taken.
