@@ -170,7 +170,8 @@ def draw(out: dict[str, Any], path: Path) -> None:
         ax.set_xticks(np.arange(len(loads)) + width * (len(routers) - 1) / 2, [f"load {k}" for k in loads])
         ax.set_title(label)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{out['engines']} emulated engines at {out['engine_speed']:g}x, {out['requests']} requests of the trace")
+    fig.suptitle(f"{out['engines']} emulated engines at {out['engine_speed']:g}x, {out['requests']} requests of the trace, "
+                 f"replayed by {out['replayer']['name']} {out['replayer']['version']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
