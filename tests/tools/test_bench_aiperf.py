@@ -16,6 +16,8 @@ import pytest
 from bench.fleet import front
 from bench.replayers import AiperfReplayer, aiperf_venv, aiperf_venv_dir
 from kvstream.tools import fleet
+from kvstream.tools.procs import free_port
+
 
 def _venv_or_skip() -> None:
     """Builds the venv once (cached under ~/.cache); skips only when it is not built yet
@@ -61,3 +63,21 @@ def test_aiperf_through_a_replica_agrees_with_the_engines(kafka_bootstrap: str, 
     assert summary.cached_token_share == pytest.approx(hits / prompt, abs=1e-9)
     assert summary.ttft_p50_ms <= summary.ttft_p99_ms <= summary.e2e_p99_ms
     assert extra["replay_sched_lag_p99_ms"] is not None
+
+
+@pytest.mark.timeout(300)
+def test_aiperf_counts_the_requests_a_target_refuses(tmp_path: Path) -> None:
+    _venv_or_skip()
+    scale = fleet.Scale(cpu_blocks=0, tokenizer=fleet.local_tokenizer())
+    reqs, _ = fleet.load_requests(fleet.default_trace(), 20, 8.0)
+    engines = fleet.start_engines(1, scale, 4.0)
+    # Every other request goes to a port nobody listens on.
+    refused = f"http://127.0.0.1:{free_port()}"
+    try:
+        summary, _ = AiperfReplayer(timeout_s=10).replay(reqs, scale, [engines[0].url, refused], tmp_path)
+        served = _metric(engines[0].url, "vllm:request_success_total")
+    finally:
+        fleet.stop_all([e.proc for e in engines])
+    assert summary.requests == len(reqs)
+    assert summary.failed == len(reqs) // 2 == len(reqs) - served
+    assert any("Connect" in e for e in summary.errors), summary.errors
