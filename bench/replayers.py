@@ -54,7 +54,8 @@ class Replayer(Protocol):
     """Sends ``requests`` to ``targets`` (base URLs, no ``/v1``; request ``i`` to
     ``targets[i % len(targets)]``) at their due times; every failure is counted."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     @property
     def version(self) -> str: ...
@@ -71,7 +72,10 @@ class SdkReplayer:
 
     text: bool = True
     timeout_s: float = 60.0
-    name: str = "sdk"
+
+    @property
+    def name(self) -> str:
+        return "sdk"
 
     @property
     def version(self) -> str:
@@ -135,7 +139,10 @@ class AiperfReplayer:
     """``aiperf profile`` on the slice's Mooncake trace, on its fixed schedule."""
 
     timeout_s: float = 60.0
-    name: str = "aiperf"
+
+    @property
+    def name(self) -> str:
+        return "aiperf"
 
     @property
     def version(self) -> str:
