@@ -23,11 +23,8 @@ SIGTERM). What they ask of a backend, as seen with kvstream's bench backend:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -36,6 +33,7 @@ from pathlib import Path
 
 import click
 
+from bench.venvs import cached_venv
 from kvstream.tools.procs import HOST, ManagedProcess, free_port, wait_http
 
 SGLANG_ROUTER_VERSION = "0.3.2"
@@ -61,37 +59,8 @@ def _venv_dir() -> Path:
 
 
 def peers_venv() -> Path:
-    """The peers' virtual environment, created and filled on first use (one installer at
-    a time; a half-made one is redone)."""
-    venv = _venv_dir()
-    done = venv / ".installed"
-    if done.is_file():
-        return venv
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if done.is_file():
-            return venv
-        shutil.rmtree(venv, ignore_errors=True)
-        click.echo(f"installing the peer routers ({', '.join(_REQUIREMENTS)}) into {venv}...", err=True)
-        steps = [
-            [sys.executable, "-m", "venv", str(venv)],
-            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-             *_REQUIREMENTS],
-        ]
-        for cmd in steps:
-            try:
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
-            except subprocess.CalledProcessError as exc:
-                shutil.rmtree(venv, ignore_errors=True)
-                raise click.ClickException(
-                    f"cannot install the peer routers (`{' '.join(cmd)}`): {exc.stderr.strip()[-1000:]}"
-                ) from None
-            except (OSError, subprocess.SubprocessError) as exc:
-                shutil.rmtree(venv, ignore_errors=True)
-                raise click.ClickException(f"cannot install the peer routers: {exc}") from None
-        done.write_text("\n".join(_REQUIREMENTS) + "\n")
-    return venv
+    """The peers' virtual environment, created and filled on first use."""
+    return cached_venv("the peer routers", _venv_dir(), _REQUIREMENTS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,10 +175,14 @@ class Scale:
     def tokens_per_id(self) -> int:
         return max(self.block_size, MOONCAKE_TOKENS_PER_ID // self.factor)
 
+    def input_tokens(self, req: Request) -> int:
+        """The scaled input length."""
+        return max(1, math.ceil(req.input_length * self.tokens_per_id / MOONCAKE_TOKENS_PER_ID))
+
     def prompt(self, req: Request) -> list[int]:
         """Token ids: hash id ``h``'s tokens are ``f(h)`` repeated (the trace's convention,
         kept inside the vocabulary), cut to the scaled input length."""
-        n = max(1, math.ceil(req.input_length * self.tokens_per_id / MOONCAKE_TOKENS_PER_ID))
+        n = self.input_tokens(req)
         out: list[int] = []
         for h in req.hash_ids:
             out.extend([_RESERVED + h % (_VOCAB - _RESERVED)] * self.tokens_per_id)
