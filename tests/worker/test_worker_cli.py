@@ -194,7 +194,7 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     # ...and on to G3 (the disk filter admits a block on its first sighting by default).
     assert sizes[key]["disk"] > 0
     # It registered (with no engine URL: not routable) and withdrew when it finished.
-    from kvstream.gateway.registry import RegistrationCodec
+    from kvstream.events.registration import RegistrationCodec
     from kvstream.tools.replay.reader import LogReader
 
     with LogReader(kafka_topics, "workers") as reader:
