@@ -43,10 +43,6 @@ class RegistryReader:
         self._next: dict[int, int] = {}
         self.loaded = threading.Event()
 
-    def positions(self) -> dict[int, int]:
-        """Per partition of kvstream.workers, the next offset the registry folds."""
-        return dict(self._next)
-
     def run(self) -> None:
         topic = self._topic
         consumer = Consumer(consumer_config(self._settings))

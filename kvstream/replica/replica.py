@@ -267,10 +267,6 @@ class Replica:
     def lag(self) -> dict[int, int]:
         return {} if self._watch is None else dict(self._watch.lag)
 
-    def registry_positions(self) -> dict[int, int]:
-        """Per partition of kvstream.workers, the next offset the registry folds."""
-        return self._registry_reader.positions()
-
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
         lag = self.lag()
