@@ -201,7 +201,7 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
         records = list(reader.read(dict(reader.low), dict(reader.high)))
     assert [r.key for r in records] == [(9).to_bytes(8, "big")] * 2
     reg = RegistrationCodec().decode(records[0].value)
-    assert (reg.url, reg.models, reg.engine, reg.kv_capacity_blocks, reg.endpoint()) == (None, (), "synthetic", 64, None)
+    assert (reg.url, reg.models, reg.engine, reg.kv_capacity_blocks) == (None, (), "synthetic", 64)
     assert records[1].value is None
 
 
