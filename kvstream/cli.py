@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("kvstream.kafka.cli:broker", "The local development Kafka broker (KRaft)."),
     "topics": ("kvstream.kafka.cli:topics", "Create kvstream's topics with the right settings."),
     "demo": ("kvstream.tools.demo:demo", "Run the demo fleet end to end and print what happened."),
-    "router": ("kvstream.replica.cli:router", "Run a router replica: fold the log, snapshot, serve HTTP."),
+    "router": ("kvstream.serve:router", "Run a router replica: fold the log, snapshot, serve HTTP."),
     "snapshot": ("kvstream.replica.snapshot_cli:snapshot", "Look into a replica's snapshots."),
     "worker": ("kvstream.worker.cli:worker", "Run a worker: bridge a vLLM/SGLang engine or the tiered pool."),
     "replay": ("kvstream.tools.replay.cli:replay", "Debug from the log: dump, rebuild, explain, diff, stats."),

@@ -123,7 +123,7 @@ class TopicSettings(Section):
     control_retention_ms: int = Field(3600 * 1000, ge=60_000)
     dlq_partitions: int = Field(1, ge=1)
     dlq_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
-    #: The compacted worker registry (kvstream.gateway.registry): a handful of records.
+    #: The compacted worker registry (kvstream.replica.registry): a handful of records.
     workers_partitions: int = Field(1, ge=1)
     #: How long a worker's tombstone stays readable after compaction (delete.retention.ms):
     #: a replica down for longer may keep a departed worker until it restarts from the start.

@@ -2,7 +2,8 @@
 events and their batch), ``codec`` (Avro single-object encoding), ``strict`` (Avro bodies
 checked as the reference decoders check them), ``schemas`` (every schema version, from
 ``schemas/``), ``wire`` (u64 ids as Avro longs and as record keys), ``control`` (resync
-requests on ``kvstream.control``), ``errors``."""
+requests on ``kvstream.control``), ``registration`` (a worker's record on
+``kvstream.workers``), ``errors``."""
 
 from kvstream.events.errors import DecodeError, EventError, UnknownMediumError
 from kvstream.events.model import (

@@ -1,4 +1,5 @@
-"""Errors of the event vocabulary and its wire codec."""
+"""Errors of the records every package shares (router events, worker registrations) and
+their wire codec."""
 
 
 class EventError(ValueError):
@@ -25,6 +26,16 @@ class DecodeError(EventError):
     def __init__(self, message: str, *, reason: str = "malformed") -> None:
         if reason not in self.REASONS:
             raise ValueError(f"unknown decode error reason {reason!r}")
+        super().__init__(message)
+        self.reason = reason
+
+
+class RegistrationError(EventError):
+    """A worker registration (kvstream.events.registration) that cannot be built, encoded or
+    applied; the message says why. ``reason`` is a short fixed code for counting
+    (``kvstream_registry_skipped``)."""
+
+    def __init__(self, message: str, *, reason: str = "invalid") -> None:
         super().__init__(message)
         self.reason = reason
 

@@ -178,8 +178,5 @@ class SchemaStore:
         except KeyError:
             raise SchemaError(f"unknown record {name!r}; known: {', '.join(self.names())}") from None
 
-    def by_fingerprint(self, fingerprint: bytes) -> SchemaVersion | None:
-        return self._by_fingerprint.get(fingerprint)
-
     def all_versions(self) -> tuple[SchemaVersion, ...]:
         return tuple(self._by_fingerprint.values())

@@ -1,4 +1,4 @@
-"""Errors of the gateway (worker registrations, tokenization, options) and their OpenAI
+"""Errors of the gateway (tokenization, options, upstream workers) and their OpenAI
 form: every refusal on an OpenAI endpoint is ``{"error": {"message", "type", "param",
 "code"}}`` with the status OpenAI uses."""
 
@@ -9,15 +9,6 @@ import orjson
 
 class GatewayError(Exception):
     """Base of every gateway error."""
-
-
-class RegistrationError(GatewayError, ValueError):
-    """A worker registration that cannot be built, encoded or applied; the message says
-    why. ``reason`` is a short fixed code for counting (``kvstream_registry_skipped``)."""
-
-    def __init__(self, message: str, *, reason: str = "invalid") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class TokenizerConfigError(GatewayError, ValueError):

@@ -1,14 +1,16 @@
 """The worker directories of the gateway (kvstream.gateway.seams.WorkerDirectory): the
 static one, ``[[gateway.workers]]`` of the TOML, for fleets whose workers do not register
-themselves, and the fleet's, which joins it with the registry folded from
-``kvstream.workers``."""
+themselves; the registered one, the replica's fold of ``kvstream.workers``
+(kvstream.replica.registry) seen as endpoints; and the fleet's, which joins the two."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from kvstream.events.registration import Registration
 from kvstream.gateway.options import StaticWorker
 from kvstream.gateway.seams import WorkerDirectory, WorkerEndpoint
+from kvstream.replica.registry import WorkerRegistry
 
 
 class StaticDirectory:
@@ -26,6 +28,43 @@ class StaticDirectory:
         return self._all
 
     def endpoint(self, worker_id: int) -> WorkerEndpoint | None:
+        return self._by_id.get(worker_id)
+
+
+def endpoint_of(reg: Registration) -> WorkerEndpoint | None:
+    """The gateway's view of a registered worker; None when it gave no engine URL."""
+    if reg.url is None:
+        return None
+    return WorkerEndpoint(
+        worker_id=reg.worker_id, url=reg.url, models=reg.models, loras=reg.loras,
+        block_size=reg.block_size, dp_ranks=len(reg.dp_ranks), engine=reg.engine,
+        kv_capacity_blocks=reg.kv_capacity_blocks,
+    )
+
+
+class RegisteredDirectory:
+    """The registered workers that gave an engine URL, in id order."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+        #: The registrations last seen and their endpoints: rebuilt only when the
+        #: registry swapped its snapshot (the same sequence back until then).
+        self._seen: Mapping[int, Registration] | None = None
+        self._all: tuple[WorkerEndpoint, ...] = ()
+        self._by_id: dict[int, WorkerEndpoint] = {}
+
+    def _current(self) -> None:
+        regs = self._registry.registrations()
+        if regs is not self._seen:
+            eps = tuple(ep for reg in regs.values() if (ep := endpoint_of(reg)) is not None)
+            self._all, self._by_id, self._seen = eps, {ep.worker_id: ep for ep in eps}, regs
+
+    def endpoints(self) -> Sequence[WorkerEndpoint]:
+        self._current()
+        return self._all
+
+    def endpoint(self, worker_id: int) -> WorkerEndpoint | None:
+        self._current()
         return self._by_id.get(worker_id)
 
 

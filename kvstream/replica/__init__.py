@@ -10,13 +10,14 @@ snapshots the fold to RocksDB, restarts from it, shares load, serves HTTP.
   ``load`` (load ops shared on ``kvstream.active``, with ``active_codec``), ``resync``
   (requests on ``kvstream.control``), ``dlq`` (copies for ``kvstream.dlq``), ``ticks``
   (log-clock ticks), ``positions`` (read positions in a consumer group),
-  ``registry_reader`` (``kvstream.workers`` folded), ``supervisor`` (threads restarted,
-  failures counted).
+  ``registry`` (the fold of ``kvstream.workers``: who is registered) with
+  ``registry_reader`` (its thread), ``supervisor`` (threads restarted, failures counted).
 - Persistence: ``snapshot`` (RocksDB generations), ``snapshotter`` (taken a partition
   at a time without stalling ingest), ``peer`` (bootstrap from a peer's snapshot),
   ``snapshot_cli`` (``kvstream snapshot``).
 - Serving: ``service`` (the HTTP API), ``route_body`` (route request fields),
   ``request_ids``, ``auth`` (bearer tokens by scope), ``http_limits``, ``metrics``.
-- ``options`` (the ``[replica]`` settings' definitions), ``cli`` (``kvstream router``),
-  ``errors``.
+- ``options`` (the ``[replica]`` settings' definitions), ``cli`` (the settings as the
+  parts' options, and the HTTP server, for ``kvstream router``: kvstream.serve, which
+  adds the gateway), ``errors``.
 """

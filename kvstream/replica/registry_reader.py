@@ -1,5 +1,5 @@
 """The worker registry thread: ``kvstream.workers`` folded into the replica's
-:class:`~kvstream.gateway.registry.WorkerRegistry` (who may win a route, the gateway's
+:class:`~kvstream.replica.registry.WorkerRegistry` (who may win a route, the gateway's
 worker directory): the whole compacted topic from its start, then what follows. A
 restarted run resumes where the last one left."""
 
@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from kvstream.gateway.registry import WorkerRegistry
 from kvstream.kafka.config import consumer_config
 from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.logs import get_logger
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.registry import WorkerRegistry
 from kvstream.settings import Settings
 
 log = get_logger(__name__)
@@ -42,10 +42,6 @@ class RegistryReader:
         self._progress = progress
         self._next: dict[int, int] = {}
         self.loaded = threading.Event()
-
-    def positions(self) -> dict[int, int]:
-        """Per partition of kvstream.workers, the next offset the registry folds."""
-        return dict(self._next)
 
     def run(self) -> None:
         topic = self._topic

@@ -29,7 +29,7 @@ from pathlib import Path
 from confluent_kafka import Consumer
 
 from kvstream.events.codec import AvroCodec, EventCodec
-from kvstream.gateway.registry import RegistrationCodec, WorkerRegistry
+from kvstream.events.registration import RegistrationCodec
 from kvstream.hashing import MmSpan
 from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.kafka.producer import CountingProducer
@@ -44,6 +44,7 @@ from kvstream.replica.load import LoadSharing
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.recovery import PeerSource, recover
+from kvstream.replica.registry import WorkerRegistry
 from kvstream.replica.registry_reader import RegistryReader
 from kvstream.replica.request_ids import scoped
 from kvstream.replica.resync import AwaitedResyncs, ResyncRequester
@@ -82,7 +83,8 @@ class Replica:
         self.codec = AvroCodec()
         self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
         self.active_codec = ActiveOpCodec(self.codec)
-        #: The workers' registrations (kvstream.workers), the gateway's WorkerDirectory.
+        #: The workers' registrations (kvstream.workers): admission reads them, and the
+        #: gateway's directory of registered workers (kvstream.gateway.static).
         self.registry = WorkerRegistry(RegistrationCodec(self.codec))
         #: Who may win a /v1/route: registered workers (kvstream.replica.admission).
         self.admission = admission_from_settings(settings)
@@ -264,10 +266,6 @@ class Replica:
 
     def lag(self) -> dict[int, int]:
         return {} if self._watch is None else dict(self._watch.lag)
-
-    def registry_positions(self) -> dict[int, int]:
-        """Per partition of kvstream.workers, the next offset the registry folds."""
-        return self._registry_reader.positions()
 
     def workers_view(self) -> dict[str, object]:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""

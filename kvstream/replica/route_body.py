@@ -104,9 +104,6 @@ class RouteRequest(RouteQuery, frozen=True, kw_only=True):
     weights: Weights | None = None
 
 
-#: Every field a JSON route body may have.
-FIELDS = frozenset(RouteRequest.__struct_fields__)
-
 _JSON = msgspec.json.Decoder(RouteRequest)
 
 

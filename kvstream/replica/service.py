@@ -21,9 +21,9 @@ from array import array
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from multiprocessing import get_context
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -52,9 +52,6 @@ from kvstream.router.errors import (
     UnknownRequestError,
 )
 from kvstream.router.explain import decision_dict
-
-if TYPE_CHECKING:
-    from kvstream.gateway.app import Gateway
 
 RequestId = Annotated[str, Path(pattern=request_ids.PATTERN)]
 
@@ -141,6 +138,20 @@ def _with_route_schema(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+class Endpoints(Protocol):
+    """More endpoints on the replica's app, served in its process (the OpenAI gateway,
+    kvstream.gateway.app, which ``kvstream router`` composes: kvstream.serve)."""
+
+    def mount(self, app: FastAPI, tokens: Tokens) -> None:
+        """Add the endpoints; called before the body limits are added, so that they
+        apply to them too."""
+        ...
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """What the endpoints need while the app serves (its lifespan)."""
+        ...
+
+
 def create_app(
     replica: Replica,
     token: str | None = None,
@@ -148,7 +159,7 @@ def create_app(
     tokens: Tokens | None = None,
     limits: HttpLimits | None = None,
     docs: bool = False,
-    gateway: Gateway | None = None,
+    gateway: Endpoints | None = None,
 ) -> FastAPI:
     """The API of ``replica``. ``tokens`` by scope (or ``token`` for every scope; neither:
     open); ``docs`` serves /docs and /openapi.json; ``gateway`` adds the OpenAI endpoints

@@ -514,17 +514,6 @@ class SnapshotStore:
                 skipped.append(f"generation {gen}: {exc}")
         return None, skipped
 
-    def raw_items(self) -> Iterator[tuple[bytes, bytes]]:
-        """Every key/value (for inspection and tests that damage a snapshot)."""
-        assert self._db is not None
-        yield from self._db.items()
-
-    def put_raw(self, key: bytes, value: bytes) -> None:
-        self._call("writing a raw key", lambda: self._db.put(key, value))
-
-    def workers_of(self, meta: SnapshotMeta) -> Mapping[int, WorkerMeta]:
-        return dict(meta.workers())
-
 
 def _identity(path: Path) -> tuple[int, int] | None:
     """The directory's (device, inode); None when it is gone."""

@@ -172,14 +172,7 @@ class ActiveSequences:
         ld = self.core.load(key[0], key[1])
         return None if ld is None else WorkerLoad(*ld)
 
-    def worker_of(self, request_id: str) -> WorkerKey | None:
-        key = self.core.worker_of(request_id)
-        return None if key is None else WorkerKey(*key)
-
     def loads_for(
         self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]
     ) -> list[tuple[bool, int, int, int, int]]:
         return self.core.loads_for(list(keys), list(seq_hashes))
-
-    def new_blocks(self, key: WorkerKey, seq_hashes: Sequence[int]) -> int:
-        return self.loads_for([key], seq_hashes)[0][4]

@@ -77,9 +77,6 @@ class TierOverlap(NamedTuple):
     external: int = 0
 
 
-NO_OVERLAP = TierOverlap()
-
-
 class TieredIndex:
     """The index of every tier, the workers known to it, and the counters of rejected
     or skipped events. Not thread-safe: one writer (the consume loop)."""

@@ -1,4 +1,4 @@
-"""A worker's registration on ``kvstream.workers`` (kvstream.gateway.registry): put once
+"""A worker's registration on ``kvstream.workers`` (kvstream.events.registration): put once
 when the worker starts, withdrawn by a tombstone when it stops cleanly.
 
 Announced once, not periodically: the topic is compacted, so the last registration of a
@@ -17,9 +17,9 @@ from collections.abc import Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from kvstream.events.errors import RegistrationError
+from kvstream.events.registration import Registration, RegistrationCodec
 from kvstream.events.wire import worker_key
-from kvstream.gateway.errors import RegistrationError
-from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import producer_config
 from kvstream.kafka.metadata import topic_partitions
 from kvstream.logs import get_logger

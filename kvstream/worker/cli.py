@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from kvstream.gateway.errors import RegistrationError
-from kvstream.gateway.registry import Registration, normalize_url
+from kvstream.events.errors import RegistrationError
+from kvstream.events.registration import Registration, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
 from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.settings import Settings, SettingsError, load_settings
@@ -314,7 +314,7 @@ def _check_worker_id(settings: Settings, worker_id: int, take_over: bool) -> Non
 
 @dataclass(frozen=True, slots=True)
 class Serves:
-    """What the worker registers for the gateway (kvstream.gateway.registry)."""
+    """What the worker registers for the gateway (kvstream.events.registration)."""
 
     engine_url: str | None
     models: tuple[str, ...]

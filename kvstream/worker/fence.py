@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from kvstream.gateway.errors import RegistrationError
+from kvstream.events.errors import RegistrationError
+from kvstream.events.registration import Registration, RegistrationCodec
 from kvstream.events.wire import worker_key
-from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import consumer_config
 from kvstream.kafka.metadata import end_offsets, topic_partitions
 from kvstream.logs import get_logger

@@ -30,11 +30,10 @@ from confluent_kafka import (
 )
 
 from kvstream.events.codec import EventCodec
-from kvstream.events.errors import DecodeError
+from kvstream.events.errors import DecodeError, RegistrationError
 from kvstream.events.model import EventBatch
-from kvstream.gateway.errors import RegistrationError
+from kvstream.events.registration import Registration, RegistrationCodec
 from kvstream.events.wire import worker_key
-from kvstream.gateway.registry import Registration, RegistrationCodec
 from kvstream.kafka.config import consumer_config
 from kvstream.kafka.metadata import end_offsets, topic_partitions, watermarks
 from kvstream.settings import Settings

@@ -35,11 +35,6 @@ class OnboardResult:
         """Tokens of the prompt whose KV is now on G1."""
         return len(self.block_hashes) * self.block_size
 
-    @property
-    def recovered_tokens(self) -> int:
-        """Tokens whose KV came back from G2 or G3 (no recomputation needed)."""
-        return (self.host_blocks + self.disk_blocks) * self.block_size
-
 
 class Onboarder:
     """Copies prefixes back into G1; one onboarding at a time (they share staging)."""

@@ -229,16 +229,6 @@ class BlockTier:
         with self._pool.locked():
             return self._evictable
 
-    @property
-    def pinned_blocks(self) -> int:
-        with self._pool.locked():
-            return len(self._entries) - self._evictable
-
-    @property
-    def allocated_blocks(self) -> int:
-        with self._pool.locked():
-            return len(self._allocated)
-
     def info(self, block_hash: int) -> BlockInfo | None:
         with self._pool.locked():
             e = self._entries.get(block_hash)

@@ -16,7 +16,7 @@ import pytest
 from engines.conftest import Env, env, eventually  # noqa: F401 - the module's replica and topics
 
 from kvstream.hashing import block_hashes
-from kvstream.router.index import NO_OVERLAP, TierOverlap, WorkerKey
+from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.router.scheduler import SchedulerOverrides
 
 from .conftest import KVSTREAM, Emulator
@@ -30,7 +30,7 @@ def overlap(env: Env, worker_id: int, toks: list[int]) -> TierOverlap:  # noqa: 
     local, seqs = block_hashes(toks, 16)
     with env.replica.lock:
         found = env.replica.router.find_matches_by_tier(local, seqs)
-    return found.get(WorkerKey(worker_id, 0), NO_OVERLAP)
+    return found.get(WorkerKey(worker_id, 0), TierOverlap())
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_the_bridge_carries_emulated_blocks_to_routing(
     complete(a, shared)
     complete(b, list(range(20_000, 20_128)))
     sees(env, a, wa, shared, TierOverlap(device=8))
-    sees(env, b, wb, shared, NO_OVERLAP)
+    sees(env, b, wb, shared, TierOverlap())
     registered(env, wa, wb)
     allowed = SchedulerOverrides(allowed_workers=frozenset({wa, wb}))
     decision = env.replica.route(shared + list(range(7, 40)), query_only=True, overrides=allowed)
@@ -97,7 +97,7 @@ def test_the_bridge_carries_emulated_blocks_to_routing(
     # G1 fills up (96 blocks): the shared prefix is evicted on the engine, and so in the index.
     for k in range(12):
         complete(a, list(range(30_000 + k * 1000, 30_000 + k * 1000 + 128)))
-    sees(env, a, wa, shared, NO_OVERLAP)
+    sees(env, a, wa, shared, TierOverlap())
     assert complete(a, shared)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
@@ -118,7 +118,7 @@ def test_the_bridge_resolves_the_host_tier(
         complete(a, list(range(40_000 + k * 1000, 40_000 + k * 1000 + 128)))
     sees(env, a, wa, shared, TierOverlap(host_pinned=8))
     complete(b, list(range(60_000, 60_128)))
-    sees(env, b, wb, shared, NO_OVERLAP)
+    sees(env, b, wb, shared, TierOverlap())
     registered(env, wa, wb)
     allowed = SchedulerOverrides(allowed_workers=frozenset({wa, wb}))
     assert env.replica.route(shared + [1, 2, 3], query_only=True, overrides=allowed).worker == WorkerKey(wa, 0)

@@ -24,7 +24,7 @@ from kvstream.hashing import MmSpan, block_hashes
 from kvstream.kafka.config import admin_config
 from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica, ReplicaOptions
-from kvstream.router.index import NO_OVERLAP, TierOverlap, WorkerKey
+from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.settings import Settings, TopicSettings
 from kvstream.worker.announce import register_synthetic
 from kvstream.worker.consolidator import Mode
@@ -307,7 +307,7 @@ class Rig:
         replica = self.env.replica
         with replica.lock:
             found = replica.router.find_matches_by_tier(local, seqs)
-        return found.get(WorkerKey(self.worker_id, rank), NO_OVERLAP)
+        return found.get(WorkerKey(self.worker_id, rank), TierOverlap())
 
     def sees(self, toks: list[int], expected: TierOverlap, rank: int = 0, **identity: Any) -> None:
         """The worker must be synced; waits for the replica to fold the log that far."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import zmq
 
-from kvstream.router.index import NO_OVERLAP, TierOverlap
+from kvstream.router.index import TierOverlap
 from kvstream.worker.zmq_bridge import Endpoint, Issue
 
 from .conftest import WAIT_S, Env, Rig, eventually, free_ports, tokens
@@ -49,7 +49,7 @@ def test_history_the_buffer_no_longer_holds_is_counted(env: Env, engine: EngineK
             r.publish(engine.stored([100 + i], None, toks))
         r.wait_sent()
         node = r.start_worker()
-        eventually(lambda: [r.overlap(t) for t in roots], [NO_OVERLAP] * 2 + [TierOverlap(device=1)] * 2)
+        eventually(lambda: [r.overlap(t) for t in roots], [TierOverlap()] * 2 + [TierOverlap(device=1)] * 2)
         assert node.bridge.issues[Issue.UNRECOVERED] == 2
     finally:
         r.__exit__()
@@ -147,7 +147,7 @@ def test_engine_restart_behind_a_forwarder(env: Env, engine: EngineKit) -> None:
         r.publish(engine.stored([6], 5, T[16:32]))
         r.publish(engine.stored([7], 6, T[32:48]))
         nudge_until(r, lambda: r.overlap(T), TierOverlap(device=3))
-        assert r.overlap(T[16:]) == NO_OVERLAP  # nothing of the old process is left
+        assert r.overlap(T[16:]) == TierOverlap()  # nothing of the old process is left
         assert r.node.bridge.issues[Issue.ENGINE_RESTART] == 1
     finally:
         r.__exit__()

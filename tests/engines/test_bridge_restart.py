@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvstream.router.index import NO_OVERLAP, TierOverlap
+from kvstream.router.index import TierOverlap
 
 from kvstream.worker.zmq_bridge import Issue
 
@@ -39,7 +39,7 @@ def test_stopped_bridge_resumes_its_epoch(env: Env, engine: EngineKit, tmp_path:
         r.start_worker()
         r.publish(engine.stored([5], 4, T[64:80]), rank=0)
         r.sees(T, TierOverlap(device=5), rank=0)
-        r.sees(T, NO_OVERLAP, rank=1)
+        r.sees(T, TierOverlap(), rank=1)
         assert r.epoch() == epoch  # the same incarnation: no wipe, no republication
         assert r.node.publisher.stats.resyncs == 0
         with env.replica.lock:
@@ -118,7 +118,7 @@ def test_history_older_than_the_buffer_is_counted_and_resynced(env: Env, engine:
         node = r.start_worker()
         r.sees(roots[-1], TierOverlap(device=1))
         assert [r.overlap(t) for t in roots[-3:]] == [TierOverlap(device=1)] * 3
-        assert [r.overlap(t) for t in roots[:5]] == [NO_OVERLAP] * 5
+        assert [r.overlap(t) for t in roots[:5]] == [TierOverlap()] * 5
         assert r.overlap(T) == TierOverlap(device=1)  # what the bridge had is kept
         assert node.bridge.issues[Issue.UNRECOVERED] == 5
         eventually(lambda: node.publisher.stats.resyncs, 1)  # a new epoch with the state

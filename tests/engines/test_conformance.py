@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from kvstream.events.model import Tier
 from kvstream.hashing import MmSpan, local_hashes, sequence_hashes
-from kvstream.router.index import NO_OVERLAP, TierOverlap, WorkerKey
+from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.router.scheduler import SchedulerOverrides
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.zmq_bridge import Flavour, Issue
@@ -54,7 +54,7 @@ def test_removals(env: Env, engine: EngineKit) -> None:
         r.sees(T, TierOverlap(device=2))
         r.publish(engine.removed([99]))  # never stored: counted, skipped
         r.publish(engine.removed([1, 2]))
-        r.sees(T, NO_OVERLAP)
+        r.sees(T, TierOverlap())
         eventually(lambda: r.node.consolidator.anomalies["unknown_remove"], 1)
 
 
@@ -65,10 +65,10 @@ def test_clear_scope_is_the_engines(env: Env, engine: EngineKit) -> None:
         host = engine.host_medium
         r.publish(engine.stored([1, 2], None, T[:32]), engine.stored([1, 2], None, T[:32], medium=host))
         r.sees(T, TierOverlap(device=2))
-        r.sees(T[32:], NO_OVERLAP)
+        r.sees(T[32:], TierOverlap())
         assert r.overlap(T) == TierOverlap(device=2)  # host continues only past the device
         r.publish(engine.cleared())
-        expected = TierOverlap(host_pinned=2) if engine.name == "vllm" else NO_OVERLAP
+        expected = TierOverlap(host_pinned=2) if engine.name == "vllm" else TierOverlap()
         r.sees(T, expected)
 
 
@@ -77,7 +77,7 @@ def test_clear_scope_detected_from_fields(env: Env, engine: EngineKit) -> None:
         host = engine.host_medium
         r.publish(engine.stored([1], None, T[:16]), engine.stored([1], None, T[:16], medium=host))
         r.publish(engine.cleared())
-        r.sees(T, TierOverlap(host_pinned=1) if engine.name == "vllm" else NO_OVERLAP)
+        r.sees(T, TierOverlap(host_pinned=1) if engine.name == "vllm" else TierOverlap())
         assert r.node.bridge.converter.flavour is Flavour(engine.name)
 
 
@@ -85,8 +85,8 @@ def test_lora(env: Env, engine: EngineKit) -> None:
     with Rig(env, engine) as r:
         r.publish(engine.stored([7, 8], None, T[:32], lora_name="my-lora", lora_id=3))
         r.sees(T, TierOverlap(device=2), lora_name="my-lora")
-        assert r.overlap(T) == NO_OVERLAP
-        assert r.overlap(T, lora_name="other") == NO_OVERLAP
+        assert r.overlap(T) == TierOverlap()
+        assert r.overlap(T, lora_name="other") == TierOverlap()
 
 
 def test_gap_repaired_from_the_replay_buffer(env: Env, engine: EngineKit) -> None:
@@ -137,7 +137,7 @@ def test_engine_restart(env: Env, engine: EngineKit) -> None:
         r.publish(engine.stored([6], 5, T[16:32]))
         r.publish(engine.stored([7], 6, T[32:48]))
         r.sees(T, TierOverlap(device=3))
-        assert r.overlap(T[16:]) == NO_OVERLAP  # nothing of the old process is left
+        assert r.overlap(T[16:]) == TierOverlap()  # nothing of the old process is left
         assert r.node.bridge.issues[Issue.ENGINE_RESTART] == 1
 
 
@@ -151,7 +151,7 @@ def test_data_parallel_ranks_under_one_worker(env: Env, engine: EngineKit) -> No
         r.sees(T, TierOverlap(device=3), rank=1)
         epoch = r.epoch()
         r.publish(engine.cleared(), rank=1)
-        r.sees(T, NO_OVERLAP, rank=1)
+        r.sees(T, TierOverlap(), rank=1)
         assert r.overlap(T, 0) == TierOverlap(device=2)
         assert r.epoch() == epoch
         with env.replica.lock:
@@ -205,8 +205,8 @@ def test_cache_salt_sglang(env: Env, sglang: EngineKit) -> None:
         r.publish(sglang.stored([1, 2], None, T[:32], cache_salt="tenant-a"))
         r.publish(sglang.stored([3], 2, T[32:48], cache_salt="tenant-a"))
         r.sees(T, TierOverlap(device=3), cache_salt="tenant-a")
-        assert r.overlap(T) == NO_OVERLAP
-        assert r.overlap(T, cache_salt="tenant-b") == NO_OVERLAP
+        assert r.overlap(T) == TierOverlap()
+        assert r.overlap(T, cache_salt="tenant-b") == TierOverlap()
 
 
 def test_extra_keys_vllm(env: Env, vllm: EngineKit) -> None:
@@ -221,7 +221,7 @@ def test_extra_keys_vllm(env: Env, vllm: EngineKit) -> None:
         span = (MmSpan(int(img[:16], 16), 20, 28),)  # positions 20..47: blocks 1 and 2
         r.sees(T, TierOverlap(device=4), cache_salt="salt-1", mm=span)
         assert r.overlap(T, cache_salt="salt-1") == TierOverlap(device=1)
-        assert r.overlap(T) == NO_OVERLAP
+        assert r.overlap(T) == TierOverlap()
         # A user-given identifier (not a digest) has no form on the routing side.
         r.publish(vllm.stored([9], None, T[16:32], extra_keys=[(("my-image-uuid", 0),)]))
         r.synced()
@@ -254,7 +254,7 @@ def test_prompt_embeds_unsupported_vllm(env: Env, vllm: EngineKit) -> None:
         r.publish(vllm.stored([1], None, T[:16], extra_keys=[(b"\x01" * 32,)]))
         r.publish(vllm.stored([2], None, T[16:32]))
         r.sees(T[16:], TierOverlap(device=1))
-        assert r.overlap(T) == NO_OVERLAP
+        assert r.overlap(T) == TierOverlap()
         assert r.node.bridge.issues[Issue.UNSUPPORTED_IDENTITY] == 1
 
 
@@ -271,7 +271,7 @@ def test_lookahead_tokens_vllm(env: Env, vllm: EngineKit) -> None:
                 return sorted(env.replica.router.blocks(WorkerKey(r.worker_id, 0), Tier.DEVICE).values())
 
         eventually(positions, want)
-        assert r.overlap(T) == NO_OVERLAP  # plain prompts do not match EAGLE-window blocks
+        assert r.overlap(T) == TierOverlap()  # plain prompts do not match EAGLE-window blocks
 
 
 def test_storage_medium_is_disk(env: Env, engine: EngineKit) -> None:
@@ -403,5 +403,5 @@ def test_positional_events_sglang(env: Env, sglang: EngineKit) -> None:
         r.sees(T, TierOverlap(host_pinned=1), lora_name="ad")
         r.publish(BlockRemoved(block_hashes=[3], medium="GPU"))
         r.sees(T, TierOverlap(device=2), cache_salt="tenant-a")
-        assert r.overlap(T) == NO_OVERLAP
+        assert r.overlap(T) == TierOverlap()
         assert not r.problems() and not r.node.consolidator.anomalies

@@ -1,10 +1,12 @@
-"""Hypothesis strategies for router events: u64 extremes are drawn often on purpose."""
+"""Hypothesis strategies for router events (u64 extremes are drawn often on purpose) and
+worker registrations."""
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
 
 from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, Stored, Tier
+from kvstream.events.registration import Registration
 
 u64 = st.one_of(st.sampled_from([0, 1, (1 << 63) - 1, 1 << 63, U64_MAX]), st.integers(0, U64_MAX))
 u32 = st.one_of(st.sampled_from([0, (1 << 32) - 1]), st.integers(0, (1 << 32) - 1))
@@ -34,3 +36,25 @@ def event_batches(draw: st.DrawFn, max_events: int = 8) -> EventBatch:
             events.append(Cleared(**common))
     lease_ms = draw(st.one_of(st.just(0), st.just((1 << 63) - 1), st.integers(0, 10**7)))
     return EventBatch(worker_id, epoch, lease_ms, tuple(events))
+
+
+names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1, max_size=12).filter(lambda s: s == s.strip())
+#: Registrations of kvstream.workers (kvstream.events.registration), each field over its range.
+registrations = st.builds(
+    Registration,
+    worker_id=st.integers(0, U64_MAX),
+    url=st.one_of(st.none(), st.sampled_from(["http://127.0.0.1:8000", "https://w.example:443/base", "http://[::1]:9"])),
+    models=st.lists(names, max_size=3, unique=True).map(tuple),
+    loras=st.lists(names, max_size=3, unique=True).map(tuple),
+    block_size=st.integers(1, 1 << 20),
+    dp_ranks=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=4, unique=True).map(tuple),
+    engine=st.sampled_from(["vllm", "sglang", "zmq", "synthetic"]),
+    kv_capacity_blocks=st.one_of(st.none(), st.integers(0, 1 << 62)),
+    epoch=st.integers(0, U64_MAX),
+    registered_at_ms=st.integers(0, 1 << 50),
+)
+
+
+def registration(wid: int, url: str = "http://127.0.0.1:1", epoch: int = 1) -> Registration:
+    """A routable registration of ``wid`` serving ``model-<wid>``."""
+    return Registration(wid, url, (f"model-{wid}",), (), 16, (0,), "vllm", None, epoch, 0)

@@ -22,7 +22,7 @@ from kvstream.kafka.config import producer_config
 from kvstream.replica.fold import DECODE_ERROR, DUPLICATE
 from kvstream.router.index import UNKNOWN_REMOVE
 from kvstream.replica.replica import ReplicaOptions
-from kvstream.replica.route_body import FIELDS
+from kvstream.replica.route_body import RouteRequest
 from kvstream.replica.service import create_app
 from kvstream.settings import FoldSettings, Settings
 from kvstream.worker.announce import register_synthetic
@@ -158,7 +158,7 @@ BAD_ROUTE = st.one_of(
     st.binary(max_size=64).filter(lambda b: not b.strip().startswith((b"{", b"["))).map(lambda b: ("raw", b)),
     st.lists(_BAD_TOKENS, min_size=1, max_size=5).map(lambda t: ("json", {"token_ids": [1, *t]})),
     st.text(min_size=1, max_size=10)
-    .filter(lambda k: k not in FIELDS)
+    .filter(lambda k: k not in RouteRequest.__struct_fields__)
     .map(lambda k: ("json", {"token_ids": [1], k: 1})),
     st.sampled_from(["", "x" * 257]).map(lambda r: ("json", {"token_ids": [1], "request_id": r})),
     st.floats(max_value=-0.001, allow_nan=False, allow_infinity=False).map(lambda v: ("json", {"token_ids": [1], "weights": {"router_temperature": v}})),

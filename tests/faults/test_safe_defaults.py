@@ -17,8 +17,8 @@ from confluent_kafka import Producer
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Cleared, EventBatch, Stored, Tier
-from kvstream.kafka.config import producer_config
 from kvstream.events.wire import worker_key
+from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import WORKER_FULL
 from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH, TICK_HEADER
 from kvstream.settings import Settings
@@ -672,7 +672,7 @@ def test_phantoms_never_win_a_route(kafka_topics: Settings, tmp_path: Path) -> N
     that registers (as `kvstream worker` does) is admitted and wins them all."""
     from fastapi.testclient import TestClient
 
-    from kvstream.gateway.registry import Registration
+    from kvstream.events.registration import Registration
     from kvstream.replica.service import create_app
     from kvstream.worker.announce import WorkerAnnouncer
 

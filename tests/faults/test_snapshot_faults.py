@@ -28,6 +28,7 @@ from kvstream.replica.snapshot_cli import snapshot as snapshot_cmd
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 
 from tests.replica.helpers import FakeWorkerLog, new_fold
+from tests.replica.raw_store import raw_keys
 from tests.replica.test_snapshot import PARTITIONS, feed, random_log, state
 
 pytestmark = [pytest.mark.faults]
@@ -172,7 +173,8 @@ def test_verify_and_load_catch_a_stale_blob(tmp_path: Path) -> None:
     m1, m2 = store.meta(g1), store.meta(g2)
     wid, wm = next(iter(m2.workers()))
     wm.blob = dict(m1.workers())[wid].blob
-    store.put_raw(b"m" + struct.pack(">Q", g2), m2.to_bytes())
+    with raw_keys(store) as db:
+        db[b"m" + struct.pack(">Q", g2)] = m2.to_bytes()
     gen, got, skipped = restored_state(store)
     store.close()
     assert gen == g1 and got == expected[g1] and "stale blob" in skipped[0]

@@ -17,8 +17,9 @@ from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 
 from kvstream.events.codec import AvroCodec
+from kvstream.events.registration import Registration, RegistrationCodec
 from kvstream.events.wire import worker_key
-from kvstream.gateway.registry import Registration, RegistrationCodec
+from kvstream.gateway.static import RegisteredDirectory
 from kvstream.kafka.config import producer_config
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
@@ -76,7 +77,7 @@ def test_worker_registers_and_its_tombstone_removes_it_everywhere(kafka_topics: 
     try:
         for r in (a, b):
             wait_for("the registration on every replica", lambda r=r: registration(r, wid) is not None)
-            ep = r.registry.endpoint(wid)
+            ep = RegisteredDirectory(r.registry).endpoint(wid)
             assert ep is not None
             assert (ep.url, ep.models, ep.loras, ep.block_size, ep.dp_ranks, ep.engine) == (
                 "http://127.0.0.1:8123", ("llama", "llama-alias"), ("sql",), 32, 2, "zmq")
@@ -101,7 +102,7 @@ def test_worker_registers_and_its_tombstone_removes_it_everywhere(kafka_topics: 
     try:
         for r in (a, b):
             wait_for("the tombstone on every replica", lambda r=r: registration(r, wid) is None)
-            assert r.registry.endpoints() == ()
+            assert RegisteredDirectory(r.registry).endpoints() == ()
         doc = replay_workers(kafka_topics)
         assert doc["workers"] == {} and doc["applied"] == 2
         late = start_replica(kafka_topics)
@@ -135,7 +136,7 @@ def test_poison_registrations_are_counted_and_skipped(kafka_topics: Settings) ->
     b = start_replica(kafka_topics)  # reads the poison from the topic's start
     try:
         for r in (a, b):
-            wait_for("the good registration", lambda r=r: r.registry.endpoint(11) is not None)
+            wait_for("the good registration", lambda r=r: r.registry.registration(11) is not None)
             assert set(r.registry.registrations()) == {11}
             assert r.registry.skipped == {"bad_key": 1, "wrong_key": 1, "undecodable": 2, "unknown_tombstone": 1}
             skipped = {
@@ -144,7 +145,7 @@ def test_poison_registrations_are_counted_and_skipped(kafka_topics: Settings) ->
             }
             assert skipped == {"bad_key": 1.0, "wrong_key": 1.0, "undecodable": 2.0, "unknown_tombstone": 1.0}
             assert r.ready, r.not_ready_reasons()
-        assert a.registry.endpoints() == b.registry.endpoints()
+        assert a.registry.registrations() == b.registry.registrations()
         doc = replay_workers(kafka_topics)
         assert doc["skipped"] == {"bad_key": 1, "wrong_key": 1, "undecodable": 2, "unknown_tombstone": 1}
         assert doc["workers"]["11"]["kv_capacity_blocks"] == 512

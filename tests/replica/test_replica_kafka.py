@@ -16,6 +16,7 @@ from kvstream.settings import Settings
 from kvstream.worker.announce import register_synthetic
 
 from tests.replica.helpers import FakeWorkerLog
+from tests.replica.raw_store import raw_keys
 from tests.replica.test_snapshot import matches, random_log, state
 
 pytestmark = pytest.mark.kafka
@@ -54,14 +55,16 @@ def high_watermarks(settings: Settings, role: str = "events") -> dict[int, int]:
 
 
 def wait_caught_up(replica: Replica, settings: Settings, timeout: float = 60) -> None:
-    """Until the replica has folded the events and the registrations written so far."""
+    """Until the replica has folded the events and the registrations written so far (every
+    record of kvstream.workers since its start: nothing is compacted within a test)."""
     target = high_watermarks(settings)
-    registry = high_watermarks(settings, "workers")
+    registrations = sum(high_watermarks(settings, "workers").values())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         offsets = replica.positions()  # a partition with nothing new stays where it started
-        if all(offsets.get(p, 0) >= hw for p, hw in target.items() if hw > 0) and all(
-            replica.registry_positions().get(p, 0) >= hw for p, hw in registry.items() if hw > 0
+        registry = replica.registry
+        if all(offsets.get(p, 0) >= hw for p, hw in target.items() if hw > 0) and (
+            registry.applied + sum(registry.skipped.values()) >= registrations
         ):
             return
         time.sleep(0.05)
@@ -134,8 +137,9 @@ def test_corrupt_snapshot_uses_previous(kafka_topics: Settings, tmp_path) -> Non
     store = SnapshotStore(tmp_path / "s")
     newest, _ = store.head()  # type: ignore[misc]
     key = b"m" + struct.pack(">Q", newest)
-    raw = dict(store.raw_items())[key]
-    store.put_raw(key, raw[:20] + b"#" + raw[21:])
+    with raw_keys(store) as db:
+        raw = db[key]
+        db[key] = raw[:20] + b"#" + raw[21:]
     store.close()
     again = start(kafka_topics, snapshot_dir=tmp_path / "s")
     try:

@@ -18,6 +18,7 @@ from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router.index import WorkerBlocks
 
 from tests.replica.helpers import FakeWorkerLog, new_fold
+from tests.replica.raw_store import raw_keys
 
 PARTITIONS = 3
 TIERS = list(Tier)
@@ -141,10 +142,11 @@ def test_incremental_snapshot_rewrites_only_changed_workers(tmp_path) -> None:
 
 
 def _damage(store: SnapshotStore, prefix: bytes) -> None:
-    for key, value in list(store.raw_items()):
-        if key.startswith(prefix):
-            store.put_raw(key, value[:-1] + bytes([value[-1] ^ 0xFF]))
-            return
+    with raw_keys(store) as db:
+        for key, value in list(db.items()):
+            if key.startswith(prefix):
+                db.put(key, value[:-1] + bytes([value[-1] ^ 0xFF]))
+                return
     raise AssertionError(f"no key with prefix {prefix!r}")
 
 
@@ -191,8 +193,10 @@ def test_old_generations_are_collected(tmp_path) -> None:
         snap.snapshot_now()
     snap.close()
     newest, prev = store.head()  # type: ignore[misc]
-    metas = {struct.unpack(">Q", k[1:])[0] for k, _ in store.raw_items() if k.startswith(b"m")}
-    blob_gens = {struct.unpack(">QQI", k[1:])[1] for k, _ in store.raw_items() if k.startswith(b"w")}
+    with raw_keys(store) as db:
+        keys = list(db.keys())
+    metas = {struct.unpack(">Q", k[1:])[0] for k in keys if k.startswith(b"m")}
+    blob_gens = {struct.unpack(">QQI", k[1:])[1] for k in keys if k.startswith(b"w")}
     assert metas == {newest, prev} and blob_gens <= {newest, prev}
 
 

@@ -25,7 +25,7 @@ from kvstream.events.model import RouterEvent
 from kvstream.hashing import MmSpan, block_hashes
 from kvstream.router.active import DEFAULT_TTL_S, ActiveOp, AddRequest, FreeRequest, PrefillDone, WorkerLoad
 from kvstream.router.errors import DuplicateRequestError, NoEligibleWorkerError, UnknownRequestError
-from kvstream.router.index import NO_OVERLAP, TieredIndex, WorkerKey
+from kvstream.router.index import TierOverlap, TieredIndex, WorkerKey
 from kvstream.router.rates import PrefillRates
 from kvstream.router.router import LearnedRates, RouteDecision, RouterConfig
 from kvstream.router.scheduler import Candidates as CoreCandidates
@@ -217,10 +217,6 @@ class ActiveSequences:
             return None
         return WorkerLoad(ld.prefill_tokens, len(ld.blocks), ld.requests)
 
-    def worker_of(self, request_id: str) -> WorkerKey | None:
-        req = self._requests.get(request_id)
-        return req.key if req is not None else None
-
     def loads_for(
         self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]
     ) -> list[tuple[bool, int, int, int, int]]:
@@ -241,11 +237,6 @@ class ActiveSequences:
                     (True, ld.prefill_tokens, len(blocks), ld.requests, n - held(blocks, seq_hashes))
                 )
         return out
-
-    def new_blocks(self, key: WorkerKey, seq_hashes: Sequence[int]) -> int:
-        """How many of ``seq_hashes`` (a prompt's chain) the worker does not hold yet."""
-        ld = self._loads.get(key)
-        return len(seq_hashes) - (_held_prefix(ld.blocks, seq_hashes) if ld else 0)
 
 
 def _held_prefix(blocks: dict[int, int], seq_hashes: Sequence[int]) -> int:
@@ -549,7 +540,7 @@ class ReferenceRouter:
         sched = self.scheduler.config.with_overrides(overrides)
         cands = Candidates(
             keys,
-            np.fromiter(flat(overlaps.get(k, NO_OVERLAP) for k in keys), np.int64, 4 * n).reshape(n, 4),
+            np.fromiter(flat(overlaps.get(k, TierOverlap()) for k in keys), np.int64, 4 * n).reshape(n, 4),
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
             np.array(active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope), dtype=np.float64),
             active.rates.decode_slowdown(),

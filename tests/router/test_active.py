@@ -64,19 +64,24 @@ def test_load_counts_shared_blocks_once(Active: type) -> None:
     assert act.load(W0) is None and "b" not in act and len(act) == 1
 
 
+def new_blocks(act, key: WorkerKey, seq_hashes: tuple[int, ...]) -> int:
+    """How many of ``seq_hashes`` (a prompt's chain) the worker does not hold yet."""
+    return act.loads_for([key], seq_hashes)[0][4]
+
+
 def test_new_blocks_is_what_the_request_adds(Active: type) -> None:
     act = Active(clock=Clock())
-    assert act.new_blocks(W0, CHAIN) == 10
+    assert new_blocks(act, W0, CHAIN) == 10
     act.apply(add("a", W0, 96, 0, CHAIN[:6], 1000))
-    assert act.new_blocks(W0, CHAIN) == 4
-    assert act.new_blocks(W0, CHAIN[:3]) == 0
-    assert act.new_blocks(W0, OTHER) == 4
-    assert act.new_blocks(W0, ()) == 0
-    assert act.new_blocks(W1, CHAIN) == 10
+    assert new_blocks(act, W0, CHAIN) == 4
+    assert new_blocks(act, W0, CHAIN[:3]) == 0
+    assert new_blocks(act, W0, OTHER) == 4
+    assert new_blocks(act, W0, ()) == 0
+    assert new_blocks(act, W1, CHAIN) == 10
     for cut in range(1, 10):
         act2 = Active(clock=Clock())
         act2.apply(add("x", W0, 16 * cut, 0, CHAIN[:cut], 1000))
-        assert act2.new_blocks(W0, CHAIN) == 10 - cut
+        assert new_blocks(act2, W0, CHAIN) == 10 - cut
 
 
 def test_expiry_after_ttl_with_an_injected_clock(Active: type) -> None:

@@ -16,6 +16,7 @@ from kvstream.worker.layout import BlockLayout  # noqa: E402
 from kvstream.worker.offload import OffloadEngine, OffloadOptions  # noqa: E402
 from kvstream.worker.pool import NewBlock, PoolOptions, TieredBlockPool  # noqa: E402
 from kvstream.worker.source_events import SourceEvent, SourceStored  # noqa: E402
+from tests.worker.counts import pinned  # noqa: E402
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, kv_heads=1, head_dim=2, dtype=torch.float32)
 
@@ -64,7 +65,7 @@ def test_inline_offload_copies_before_register_returns(tmp_path: Path) -> None:
     pool.device.unpin(seq)
     stats = engine.stats()
     assert (stats.written_host, stats.written_disk, stats.cancelled) == (3, 3, 0)
-    assert pool.device.pinned_blocks == 0 and pool.host.pinned_blocks == 0
+    assert pinned(pool, pool.device) == 0 and pinned(pool, pool.host) == 0
     assert engine.close().drained
     pool.close()
 

@@ -24,6 +24,7 @@ from kvstream.worker.source_events import SourceRemoved, SourceStored  # noqa: E
 from kvstream.worker.synthetic import SyntheticEngine  # noqa: E402
 
 from .conftest import SMALL, chain, checksum, expected, put  # noqa: E402
+from .counts import allocated, pinned  # noqa: E402
 
 G1, G2, G3 = Tier.DEVICE, Tier.HOST_PINNED, Tier.DISK
 
@@ -33,7 +34,7 @@ def assert_consistent(pool, sink):
     held = sink.held()
     for tier in pool.tiers:
         assert set(tier.hashes()) == held[tier.tier], tier.tier
-        assert tier.pinned_blocks == 0 and tier.allocated_blocks == 0, tier.tier
+        assert pinned(pool, tier) == 0 and allocated(pool, tier) == 0, tier.tier
         for h in tier.hashes():
             assert checksum(pool.read_block(tier.tier, h)) == expected(h), (tier.tier, h)
 
@@ -134,7 +135,7 @@ def test_full_queue_back_pressure_keeps_every_byte(make_pool, sink):
     chains = [chain(3, start=1000 * i) for i in range(8)]
     for local, seq in chains:
         put(pool, local, seq)  # waits whenever the queue is full; G1 keeps evicting
-        assert pool.device.pinned_blocks <= 1 + 2  # queue bound + one batch in flight
+        assert pinned(pool, pool.device) <= 1 + 2  # queue bound + one batch in flight
     assert engine.wait_idle(10)
     every = [h for _, seq in chains for h in seq]
     assert set(pool.host.hashes()) == set(every) == set(pool.disk.hashes())
@@ -223,7 +224,7 @@ def test_shutdown_in_the_middle_cancels_queued_and_finishes_in_flight(tmp_path, 
         reports: list = []
         closing.start()
         wait_for(lambda: engine.stats().cancelled >= 22, "queued blocks to be cancelled")
-        assert pool.device.pinned_blocks == 2  # cancelled blocks were unpinned at once
+        assert pinned(pool, pool.device) == 2  # cancelled blocks were unpinned at once
         g1.gate.set()
         closing.join(20)
         (report,) = reports
@@ -357,7 +358,7 @@ def test_full_target_is_skipped_and_counted(make_pool, sink):
     local, seq2 = chain(3)
     put(pool, local, seq2)
     assert engine.wait_idle(10)
-    assert engine.stats().skipped_no_space == 3 and pool.device.pinned_blocks == 0
+    assert engine.stats().skipped_no_space == 3 and pinned(pool, pool.device) == 0
     pool.host.unpin(seq)
     engine.close()
     assert_consistent(pool, sink)
@@ -374,7 +375,7 @@ def test_disk_write_failure_is_counted_and_corrupts_nothing(make_pool, sink):
         assert engine.wait_idle(10)
         stats = engine.stats()
         assert (stats.written_host, stats.written_disk, stats.failed) == (3, 0, 3)
-        assert len(pool.disk) == 0 and pool.disk.allocated_blocks == 0 and pool.host.pinned_blocks == 0
+        assert len(pool.disk) == 0 and allocated(pool, pool.disk) == 0 and pinned(pool, pool.host) == 0
     finally:
         os.close(pool.disk_store._fd)
         pool.disk_store._fd = fd

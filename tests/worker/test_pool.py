@@ -21,6 +21,7 @@ from kvstream.worker.source_events import SourceRemoved, SourceStored  # noqa: E
 from kvstream.worker.synthetic import block_content  # noqa: E402
 
 from .conftest import SMALL, chain, checksum, expected, put  # noqa: E402
+from .counts import allocated, pinned  # noqa: E402
 
 G1, G2, G3 = Tier.DEVICE, Tier.HOST_PINNED, Tier.DISK
 
@@ -61,7 +62,7 @@ def test_register_needs_the_parent_on_the_tier(make_pool, sink):
     slots = pool.device.allocate(2)
     with pytest.raises(UnknownBlockError, match="register a block after its parent"):
         pool.device.register([NewBlock(slots[0], seq[1], seq[0], local[1]), NewBlock(slots[1], seq[2], seq[1], local[2])])
-    assert len(pool.device) == 0 and pool.device.allocated_blocks == 2 and sink.events == []
+    assert len(pool.device) == 0 and allocated(pool, pool.device) == 2 and sink.events == []
     assert pool.device.register([NewBlock(slots[0], seq[0], None, local[0]), NewBlock(slots[1], seq[1], seq[0], local[1])], pin=False) == slots
 
 
@@ -129,7 +130,7 @@ def test_pinned_blocks_are_not_evicted_and_exhaustion_changes_nothing(make_pool,
     put(pool, local, seq, pin=True)
     pool.device.unpin([seq[2]])
     sink.take()
-    assert (pool.device.evictable_blocks, pool.device.pinned_blocks) == (1, 2)
+    assert (pool.device.evictable_blocks, pinned(pool, pool.device)) == (1, 2)
     with pytest.raises(PoolExhaustedError, match="2 blocks requested, 0 free and 1 evictable"):
         pool.device.allocate(2)
     assert sink.take() == [] and len(pool.device) == 3

@@ -21,6 +21,7 @@ from kvstream.worker.synthetic import (  # noqa: E402
 )
 
 from .conftest import SMALL, checksum, expected  # noqa: E402
+from .counts import allocated, pinned  # noqa: E402
 from .test_offload import assert_consistent  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def test_prompt_larger_than_g1_fails_cleanly(make_pool, sink):
     engine = SyntheticEngine(pool)
     with pytest.raises(PoolExhaustedError):
         engine.run_prompt(range(12))  # 3 blocks, G1 holds 2
-    assert pool.device.pinned_blocks == 0 and pool.device.allocated_blocks == 0 and sink.events == []
+    assert pinned(pool, pool.device) == 0 and allocated(pool, pool.device) == 0 and sink.events == []
     result = engine.run_prompt(range(8))
     assert (result.blocks, result.computed) == (2, 2)
     again = engine.run_prompt(range(8))

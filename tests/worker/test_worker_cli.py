@@ -194,14 +194,14 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     # ...and on to G3 (the disk filter admits a block on its first sighting by default).
     assert sizes[key]["disk"] > 0
     # It registered (with no engine URL: not routable) and withdrew when it finished.
-    from kvstream.gateway.registry import RegistrationCodec
+    from kvstream.events.registration import RegistrationCodec
     from kvstream.tools.replay.reader import LogReader
 
     with LogReader(kafka_topics, "workers") as reader:
         records = list(reader.read(dict(reader.low), dict(reader.high)))
     assert [r.key for r in records] == [(9).to_bytes(8, "big")] * 2
     reg = RegistrationCodec().decode(records[0].value)
-    assert (reg.url, reg.models, reg.engine, reg.kv_capacity_blocks, reg.endpoint()) == (None, (), "synthetic", 64, None)
+    assert (reg.url, reg.models, reg.engine, reg.kv_capacity_blocks) == (None, (), "synthetic", 64)
     assert records[1].value is None
 
 

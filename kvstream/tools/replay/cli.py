@@ -375,7 +375,7 @@ def workers(
     """The worker registry as every replica folds it from kvstream.workers: each
     worker's engine URL, models, LoRA adapters, block size, ranks; and the records
     skipped, by reason."""
-    from kvstream.gateway.registry import WorkerRegistry
+    from kvstream.replica.registry import WorkerRegistry
     from kvstream.tools.replay.reader import LogReader
 
     settings = _settings(config_file, bootstrap, topic_prefix)

@@ -1,6 +1,6 @@
 """The worker registry as of time T, for ``replay explain``: ``kvstream.workers`` read
 up to the first record stamped after T and folded by the replica's own
-:class:`~kvstream.gateway.registry.WorkerRegistry`, so that the candidates of a replayed
+:class:`~kvstream.replica.registry.WorkerRegistry`, so that the candidates of a replayed
 decision follow the live rule (kvstream.replica.admission).
 
 The topic is compacted: a worker that registered before T and registered again after
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstream.events.wire import key_worker
-from kvstream.gateway.registry import WorkerRegistry
+from kvstream.replica.registry import WorkerRegistry
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import TopicMissingError
 from kvstream.tools.replay.reader import LogReader

@@ -1,30 +1,25 @@
-"""The worker registry: workers' registrations on the compacted ``kvstream.workers``
-topic, folded into the :class:`~kvstream.gateway.seams.WorkerDirectory` the gateway reads.
+"""A worker's registration, the record of the compacted ``kvstream.workers`` topic, and its
+Avro codec: what a worker announces (kvstream.worker.announce) and every replica folds
+(kvstream.replica.registry).
 
-A record is keyed by the worker id as ``kvstream.events`` keys it (8 bytes big-endian);
-its value is a ``kvstream.workers.WorkerRegistration`` (schemas/), or null, a tombstone,
-when the worker left. The fold keeps the last record of each key, which is exactly what
-compaction keeps: a replica that read the whole history and one that started after a
-compaction hold the same registry. A record that cannot be applied (undecodable, a key
-that is not its worker id, a tombstone for no registered worker) is counted by reason and
-skipped; nothing a record holds can raise out of :meth:`WorkerRegistry.apply`.
+A record is keyed by the worker id as ``kvstream.events`` keys it (8 bytes big-endian,
+kvstream.events.wire); its value is a ``kvstream.workers.WorkerRegistration`` (schemas/),
+or null, a tombstone, when the worker left. A registration that breaks a rule (a URL
+that is not ``http(s)://host[:port]``, a padded model name, repeated ranks) cannot be
+built, so none can be encoded or decoded: RegistrationError says why.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvstream.events.codec import AvroCodec
-from kvstream.events.errors import EventError
+from kvstream.events.errors import EventError, RegistrationError
 from kvstream.events.model import U64_MAX
-from kvstream.events.wire import key_worker, to_long, to_u64
-from kvstream.gateway.errors import RegistrationError
-from kvstream.gateway.seams import WorkerEndpoint
+from kvstream.events.wire import to_long, to_u64
 
 WORKER_REGISTRATION = "kvstream.workers.WorkerRegistration"
 _U32_MAX = (1 << 32) - 1
@@ -95,16 +90,6 @@ class Registration:
         if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 0:
             raise RegistrationError(f"kv_capacity_blocks {self.kv_capacity_blocks} is negative")
 
-    def endpoint(self) -> WorkerEndpoint | None:
-        """The gateway's view of this worker; None when it has no engine URL."""
-        if self.url is None:
-            return None
-        return WorkerEndpoint(
-            worker_id=self.worker_id, url=self.url, models=self.models, loras=self.loras,
-            block_size=self.block_size, dp_ranks=len(self.dp_ranks), engine=self.engine,
-            kv_capacity_blocks=self.kv_capacity_blocks,
-        )
-
     def view(self) -> dict[str, Any]:
         """JSON-ready, for /v1/workers and ``kvstream replay workers``."""
         return {
@@ -149,99 +134,3 @@ class RegistrationCodec:
             )
         except RegistrationError as exc:
             raise RegistrationError(f"invalid registration: {exc}", reason="invalid") from None
-
-
-#: Why a record was skipped (the ``reason`` label of kvstream_registry_skipped).
-SKIP_REASONS = ("bad_key", "undecodable", "invalid", "wrong_key", "unknown_tombstone")
-
-
-class WorkerRegistry:
-    """The fold of ``kvstream.workers``: a :class:`~kvstream.gateway.seams.WorkerDirectory`.
-
-    :meth:`apply` is called by one reader thread; the read methods from any thread
-    (they return immutable snapshots swapped under a lock)."""
-
-    def __init__(self, codec: RegistrationCodec | None = None) -> None:
-        self._codec = codec if codec is not None else RegistrationCodec()
-        self._lock = threading.Lock()
-        self._regs: dict[int, Registration] = {}
-        self._endpoints: tuple[WorkerEndpoint, ...] = ()
-        self._by_id: dict[int, WorkerEndpoint] = {}
-        self._ids: frozenset[int] = frozenset()
-        self.skipped: Counter[str] = Counter()
-        self.applied = 0
-
-    def apply(self, key: bytes | None, value: bytes | None) -> str | None:
-        """Fold one record; returns None when applied, else the reason it was skipped."""
-        reason = self._apply(key, value)
-        with self._lock:
-            if reason is None:
-                self.applied += 1
-            else:
-                self.skipped[reason] += 1
-        return reason
-
-    def _apply(self, key: bytes | None, value: bytes | None) -> str | None:
-        wid = key_worker(key)
-        if wid is None:
-            return "bad_key"
-        if value is None:
-            with self._lock:
-                if wid not in self._regs:
-                    # Also what a reader sees of a worker that came and went before a
-                    # compaction kept only its tombstone: harmless, counted.
-                    return "unknown_tombstone"
-                del self._regs[wid]
-                self._rebuild()
-            return None
-        try:
-            reg = self._codec.decode(value)
-        except RegistrationError as exc:
-            return exc.reason
-        if reg.worker_id != wid:
-            # Compaction keeps one record per key: a record under another worker's key
-            # would replace that worker's registration.
-            return "wrong_key"
-        with self._lock:
-            self._regs[wid] = reg
-            self._rebuild()
-        return None
-
-    def _rebuild(self) -> None:
-        eps = [ep for wid in sorted(self._regs) if (ep := self._regs[wid].endpoint()) is not None]
-        self._endpoints = tuple(eps)
-        self._by_id = {ep.worker_id: ep for ep in eps}
-        self._ids = frozenset(self._regs)
-
-    # -- WorkerDirectory ---------------------------------------------------------------
-
-    def endpoints(self) -> Sequence[WorkerEndpoint]:
-        """Every routable registered worker (those with an engine URL), in id order."""
-        return self._endpoints
-
-    def endpoint(self, worker_id: int) -> WorkerEndpoint | None:
-        return self._by_id.get(worker_id)
-
-    # -- views -------------------------------------------------------------------------
-
-    def worker_ids(self) -> frozenset[int]:
-        """Every registered worker's id, routable or not (swapped whole: no lock)."""
-        return self._ids
-
-    def registration(self, worker_id: int) -> Registration | None:
-        with self._lock:
-            return self._regs.get(worker_id)
-
-    def registrations(self) -> dict[int, Registration]:
-        """Every registered worker, routable or not."""
-        with self._lock:
-            return dict(self._regs)
-
-    def view(self) -> dict[str, Any]:
-        with self._lock:
-            regs, applied, skipped = dict(self._regs), self.applied, dict(self.skipped)
-        return {
-            "workers": {str(wid): regs[wid].view() for wid in sorted(regs)},
-            "applied": applied,
-            "skipped": skipped,
-        }

@@ -1,0 +1,172 @@
+"""``kvstream router``: one router process, composed: the replica (kvstream.replica: consume,
+fold, snapshot), its HTTP API (kvstream.replica.service) and, when enabled, the OpenAI
+gateway (kvstream.gateway) mounted on it. The composition lives here, above both, so
+that the replica knows nothing of the gateway built on its facade."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+import uvicorn
+from pydantic import ValidationError
+
+from kvstream.gateway.errors import GatewayError
+from kvstream.gateway.options import GatewayOptions
+from kvstream.logs import configure_logging, get_logger, logging_flags
+from kvstream.replica.auth import TokenError
+from kvstream.replica.cli import freeze_heap, http_limits, is_loopback, replica_options, router_config, server_config, tokens
+from kvstream.replica.errors import ReplicaError
+from kvstream.replica.options import ServerOptions
+from kvstream.replica.replica import Replica
+from kvstream.settings import ReplicaSettings, SettingsError, explain, load_settings
+
+if TYPE_CHECKING:
+    from kvstream.gateway.app import Gateway
+
+log = get_logger(__name__)
+
+#: The defaults the flags' help shows.
+_SERVER = ServerOptions()
+
+
+def gateway_for(replica: Replica, options: GatewayOptions) -> Gateway | None:
+    """The replica's OpenAI gateway over the static and the registered workers, with the
+    models' local tokenizers (None when disabled); TokenizerConfigError for a tokenizer
+    that cannot be loaded."""
+    if not options.enabled:
+        return None
+    from kvstream.gateway.app import Gateway
+    from kvstream.gateway.static import FleetDirectory, RegisteredDirectory, StaticDirectory
+    from kvstream.gateway.tokenize import local_tokenizers
+
+    directory = FleetDirectory(StaticDirectory(options.workers), RegisteredDirectory(replica.registry))
+    return Gateway(replica, directory, options, local_tokenizers(options.models))
+
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, saying where it serves once its sockets are bound (the port a ``--port 0``
+    got; nothing when the port is taken: uvicorn says so and the command fails)."""
+
+    replica_id = ""
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            log.info("serving", replica=self.replica_id, host=host, port=port)
+
+
+@click.command("router")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--bootstrap", help="Kafka bootstrap servers (default: the local broker).")
+@click.option("--host", help=f"HTTP bind address [{_SERVER.host}].")
+@click.option("--port", type=int, help=f"HTTP port [{_SERVER.port}].")
+@click.option("--snapshot-dir", type=click.Path(file_okay=False, path_type=Path), help="Where snapshots live.")
+@click.option("--peer", "peer_url", help="Base URL of a peer replica to bootstrap from.")
+@click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), help="File holding the bearer token for every scope.")
+@click.option("--allow-open-bind", is_flag=True, default=None, help="Bind a non-loopback address without any token.")
+@click.option("--gateway/--no-gateway", default=None,
+              help="Serve the OpenAI endpoints (/v1/completions, /v1/chat/completions, /v1/models, /v1/embeddings) "
+              "for the workers of [[gateway.workers]] [gateway].")
+def router(
+    config_file: str | None,
+    bootstrap: str | None,
+    host: str | None,
+    port: int | None,
+    snapshot_dir: Path | None,
+    peer_url: str | None,
+    token: str | None,
+    token_file: Path | None,
+    allow_open_bind: bool | None,
+    gateway: bool | None,
+) -> None:
+    """Run a router replica: fold kvstream.events, snapshot it, serve routing over HTTP.
+
+    Tokens by scope (client, operator, peer), TLS and the HTTP limits are settings
+    ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); the OpenAI gateway's
+    are [gateway] and its workers [[gateway.workers]] (KVSTREAM_GATEWAY__*); see
+    docs/OPERATIONS.md and the README."""
+    try:
+        settings = load_settings(config_file, bootstrap=bootstrap, **logging_flags())
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+    configure_logging(settings.log_level, settings.log_format)
+    flags = {
+        "host": host, "port": port, "snapshot_dir": snapshot_dir, "peer_url": peer_url, "token": token,
+        "token_file": token_file, "allow_open_bind": allow_open_bind,
+    }
+    try:
+        settings.replica = ReplicaSettings.model_validate(
+            settings.replica.model_dump() | {k: v for k, v in flags.items() if v is not None}
+        )
+        scoped_tokens = tokens(settings)
+        options = replica_options(settings)
+    except ValidationError as exc:
+        raise click.ClickException(explain(exc, ("replica",))) from None
+    except TokenError as exc:
+        raise click.ClickException(str(exc)) from None
+    r = settings.replica
+    if scoped_tokens.open and not is_loopback(r.host) and not r.allow_open_bind:
+        raise click.ClickException(
+            f"refusing to serve {r.host} (not loopback) without a token: set KVSTREAM_REPLICA__TOKEN "
+            "or token_file (or per scope: client_, operator_, peer_token), or --allow-open-bind"
+        )
+    from kvstream.replica.service import create_app
+
+    limits = http_limits(settings)
+    gave_up = threading.Event()
+
+    def on_fatal(_reason: str) -> None:
+        gave_up.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # stop serving; the exit status says why
+
+    try:
+        replica = Replica(settings, options, router_config(settings), on_fatal=on_fatal)
+    except ReplicaError as exc:
+        raise click.ClickException(f"cannot start the replica: {exc}") from None
+    gw_options = settings.gateway if gateway is None else replace(settings.gateway, enabled=gateway)
+    try:
+        gw = gateway_for(replica, gw_options)
+    except GatewayError as exc:
+        raise click.ClickException(f"cannot start the gateway: {exc}") from None
+    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs, gateway=gw)
+    server = _Server(
+        server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
+    )
+    server.replica_id = replica.replica_id
+    # Bound before the replica starts: a taken port is one line, not a replica that
+    # recovers, says it is ready, and then fails.
+    try:
+        sock = socket.create_server((r.host, r.port), family=socket.AF_INET6 if ":" in r.host else socket.AF_INET)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot serve on {r.host}:{r.port}: {os.strerror(exc.errno or 0).lower()} (is another process using the port? --port)"
+        ) from None
+    try:
+        replica.start()
+    except Exception as exc:
+        sock.close()
+        raise click.ClickException(f"cannot start the replica: {exc}") from None
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    # uvicorn handles Ctrl-C while it serves and raises it again once stopped: then this
+    # command ends as every kvstream command does on Ctrl-C (130).
+    interrupted = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    freeze_heap()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        replica.stop()
+    if gave_up.is_set():
+        raise click.ClickException(f"the replica gave up: {replica.fatal}")
+    if interrupted.is_set():
+        raise KeyboardInterrupt
