@@ -38,12 +38,9 @@ import functools
 import math
 import os
 import re
-import subprocess
 import signal
 import sys
-import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +50,7 @@ import httpx
 import numpy as np
 
 from kvstream.tools.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.tokenizer_file import TokenizerFetchError, deepseek_tokenizer
 from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -69,33 +67,18 @@ _BATCHED_TOKENS = 8192
 _CPU_BLOCKS = 65_536
 
 
-#: A real tokenizer.json (DeepSeek's, MIT) inside the litellm wheel: the engines and the
-#: replicas' gateways load the same one, so that the gateway tokenizes text itself.
-_TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
 #: Words that are one token each with their leading space (lower-case ASCII entries of
 #: the byte-level vocabulary).
 _WORD = re.compile("\u0120([a-z]{3,12})")
 
 
 def local_tokenizer() -> Path:
-    """DeepSeek's tokenizer.json from the litellm wheel (fetched with pip once, cached
-    under ~/.cache/kvstream)."""
-    cached = Path.home() / ".cache" / "kvstream" / "deepseek_tokenizer.json"
-    if cached.is_file():
-        return cached
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "litellm", "-d", tmp, "-q"],
-                           check=True, timeout=600, capture_output=True)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-            raise click.ClickException(f"cannot fetch the litellm wheel for its tokenizer.json: {exc}") from None
-        wheel = next(Path(tmp).glob("litellm-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            part = cached.with_suffix(".part")
-            part.write_bytes(z.read(_TOKENIZER_MEMBER))
-            part.rename(cached)
-    return cached
+    """The real tokenizer.json that the engines and the replicas' gateways both load
+    (kvstream.tools.tokenizer_file), so that the gateway tokenizes text itself."""
+    try:
+        return deepseek_tokenizer()
+    except TokenizerFetchError as exc:
+        raise click.ClickException(f"cannot fetch the fleet's tokenizer: {exc}") from None
 
 
 @functools.cache

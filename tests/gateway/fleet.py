@@ -6,12 +6,8 @@ HF ``tokenizers``."""
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +22,7 @@ from kvstream.events.model import Stored, Tier
 from kvstream.gateway.app import Gateway
 from kvstream.gateway.options import GatewayOptions, StaticWorker
 from kvstream.gateway.static import StaticDirectory
+from kvstream.tools.tokenizer_file import deepseek_tokenizer
 from kvstream.hashing import block_hashes
 from kvstream.replica.cli import server_config
 from kvstream.replica.http_limits import HttpLimits
@@ -40,24 +37,12 @@ from tests.replica.test_replica_kafka import produce
 TOKEN = "s3cret"
 MODEL = "m"
 LORA = "m-lora"
-_TOKENIZER_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
 _worker_ids = itertools.count(100)  # new ids for every gateway: nothing carries over
 
 
 def tokenizer_file() -> Path:
-    """The DeepSeek tokenizer.json from the litellm wheel, cached under ~/.cache/kvstream."""
-    cached = Path.home() / ".cache" / "kvstream" / "deepseek_tokenizer.json"
-    if not cached.is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "litellm", "-d", tmp, "-q"],
-                           check=True, timeout=600)
-            wheel = next(Path(tmp).glob("litellm-*.whl"))
-            with zipfile.ZipFile(wheel) as z:
-                part = cached.with_suffix(".part")
-                part.write_bytes(z.read(_TOKENIZER_MEMBER))
-                part.rename(cached)
-    return cached
+    """The DeepSeek tokenizer.json from the litellm wheel (kvstream.tools.tokenizer_file)."""
+    return deepseek_tokenizer()
 
 
 class HFPromptTokenizer:

@@ -5,7 +5,7 @@ model directory around it with a chat template of our own.
 The tokenizer is the MIT-licensed DeepSeek ``tokenizer.json`` shipped inside ``litellm``'s
 wheel. It is fetched with ``pip download --no-deps`` once and cached under
 ``~/.cache/kvstream/tokenizers/`` (``KVSTREAM_TOKENIZER_CACHE`` to move it), checked by
-its SHA-256 (bench.tokenize.deepseek_tokenizer, which the bench uses
+its SHA-256 (kvstream.tools.tokenizer_file, which the demo and the benches use
 too). Only an unreachable PyPI skips the tests, and not in CI (``CI=true``), where it
 fails: a skipped tokenizer test must never pass for a green run.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.tokenize import TokenizerFetchError, deepseek_tokenizer
+from kvstream.tools.tokenizer_file import TokenizerFetchError, deepseek_tokenizer
 
 #: ChatML-like, on DeepSeek's added tokens: system, user, assistant (tool calls), tool.
 CHAT_TEMPLATE = """{{ bos_token }}
