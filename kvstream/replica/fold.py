@@ -44,7 +44,7 @@ from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, PackedEvent, Packe
 from kvstream.events.errors import DecodeError
 from kvstream.events.model import Cleared, Removed, Stored
 from kvstream.logs import get_logger
-from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
 from kvstream.router import Router
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ FOLD_SLICE = 16
 #: How long the ingest thread holds the router lock at most before routes get their
 #: turn: a catch-up consume (2,000 records) folded in one hold would stall every route
 #: for as long as it takes. ~1 ms is what a slice of 16 records at ~70 µs took before
-#: the fold's compiled path; giving the GIL up after every 16 records at ~5 µs each
+#: the fold read records packed; giving the GIL up after every 16 records at ~5 µs each
 #: would cost more than the records (time.sleep(0) measured ~85 µs here).
 FOLD_HOLD_S = 0.001
 
@@ -337,16 +337,16 @@ class LogFold:
         ``data``."""
         log = self.workers.get(wid)
         resync: list[int] = []
-        if log is not None and log.outranks(epoch, partition):
-            if epoch < log.epoch:
-                return self._stale(wid, epoch, log.epoch, ts)
-            self.counters[WRONG_PARTITION] += 1
-            return Outcome(
-                dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {epoch} is bound to partition "
-                f"{log.partition}, not {partition} (a worker starts a new epoch after partitions are added)",
-                resync=(wid,),
-            )
         if log is None or log.epoch != epoch or log.partition != partition:
+            if log is not None and log.outranks(epoch, partition):
+                if epoch < log.epoch:
+                    return self._stale(wid, epoch, log.epoch, ts)
+                self.counters[WRONG_PARTITION] += 1
+                return Outcome(
+                    dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {epoch} is bound to partition "
+                    f"{log.partition}, not {partition} (a worker starts a new epoch after partitions are added)",
+                    resync=(wid,),
+                )
             if log is None or log.partition != partition:
                 full = self.authority.partition_full(self._bound[partition])
                 if full is not None and not self._displace_blockless(partition):
@@ -376,8 +376,13 @@ class LogFold:
         known = router.knows(wid)
         announced = False
         apply = router.apply_packed
-        check_blocks = self.authority.check_blocks
-        budgeted = self.authority.max_blocks_per_partition is not None
+        authority = self.authority
+        check_blocks = authority.check_blocks
+        # The partition's block budget by an upper bound of what its workers hold (stores
+        # added, nothing taken off): counted exactly only where it is unknown or would refuse.
+        budgeted = authority.max_blocks_per_partition is not None
+        partition_full = authority.partition_blocks_full
+        bounds = self._partition_held
         last_ids = log.last_ids
         # Blocks the worker holds, an upper bound (stores added, removes not taken off),
         # counted at its first store: counted exactly only when the bound would reject one.
@@ -409,7 +414,11 @@ class LogFold:
                     held = router.worker_blocks(wid)
                     too_big = check_blocks(True, n, held)
                 if too_big is None and budgeted:
-                    too_big = self._partition_budget(partition, n)
+                    bound = bounds.get(partition)
+                    if bound is None or partition_full(bound, n) is not None:
+                        bound = self._partition_blocks(partition)
+                        too_big = partition_full(bound, n)
+                    bounds[partition] = bound if too_big is not None else bound + n
             elif kind == _REMOVED:
                 too_big = check_blocks(False, n, 0)
             if too_big is not None:
@@ -485,22 +494,6 @@ class LogFold:
             self.counters[DISPLACED] += 1
             return True
         return False
-
-    def _partition_budget(self, partition: int, n: int) -> Rejection | None:
-        """The fleet-wide block budget, per partition: whether a store of ``n`` blocks
-        fits; if so it is added to the partition's bound."""
-        if self.authority.max_blocks_per_partition is None:
-            return None
-        budget = self.authority.partition_blocks_full
-        held = self._partition_held.get(partition)
-        if held is None or budget(held, n) is not None:
-            held = self._partition_blocks(partition)
-            full = budget(held, n)
-            if full is not None:
-                self._partition_held[partition] = held
-                return full
-        self._partition_held[partition] = held + n
-        return None
 
     def _partition_blocks(self, partition: int) -> int:
         """Blocks the workers bound to ``partition`` hold (exact)."""

@@ -2,11 +2,12 @@
 model objects, decoded the generic way (strict walk, fastavro, the model's checks), with
 the Python digest (tests/events/digest.py) and the index's apply of model events
 (``Router.apply_event``). It shares the production fold's state and the rules that do
-not look at a batch's events (stale and clashing incarnations, displacement, the
-partition budget's count, leases), and writes out on its own every rule that does: new
-incarnations, duplicates, gaps, reused ids, the authority's limits, what makes a worker
-a candidate. Nothing of the compiled reader, the packed form or ``apply_packed`` is in
-it: tests/replica/test_fold_paths.py checks the production fold decides as it does."""
+not look at a batch's events (stale and clashing incarnations, displacement, leases),
+and writes out on its own every rule that does: new incarnations, duplicates, gaps,
+reused ids, the authority's limits (the partition's blocks counted exactly where the
+fold keeps a bound), what makes a worker a candidate. Nothing of the compiled reader,
+the packed form or ``apply_packed`` is in it: tests/replica/test_fold_paths.py checks
+that the production fold decides as it does."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class ModelFold(LogFold):
         except DecodeError as exc:
             self.counters[DECODE_ERROR] += 1
             return Outcome(dlq_reason=f"{DECODE_ERROR}: {exc}")
-        rejected = self.authority.check_batch(key, timestamp_ms, batch)
+        rejected = self.authority.check_head(key, timestamp_ms, batch.worker_id, batch.epoch, batch.lease_ms)
         if rejected is not None:
             self.counters[rejected.reason] += 1
             outcome = Outcome(dlq_reason=str(rejected))
@@ -94,6 +95,7 @@ class ModelFold(LogFold):
         router = self.router
         known = router.knows(wid)
         announced = False
+        check_blocks = self.authority.check_blocks
         held = router.worker_blocks(wid)  # exact at the start, then stores added
         for i, ev in enumerate(batch.events):
             digest = event_digest(ev)
@@ -114,12 +116,13 @@ class ModelFold(LogFold):
                         resync.append(wid)
             log.last_ids[ev.dp_rank] = ev.event_id
             log.remember(ev.dp_rank, ev.event_id, digest)
-            too_big = self.authority.check_event(ev, held)
+            too_big = None if type(ev) is Cleared else check_blocks(type(ev) is Stored, len(ev.block_hashes), held)
             if too_big is not None and too_big.reason == WORKER_FULL:
                 held = router.worker_blocks(wid)
-                too_big = self.authority.check_event(ev, held)
+                too_big = check_blocks(True, len(ev.block_hashes), held)
             if too_big is None and type(ev) is Stored:
-                too_big = self._partition_budget(partition, len(ev.block_hashes))
+                # Counted exactly each time (the fold keeps an upper bound).
+                too_big = self.authority.partition_blocks_full(self._partition_blocks(partition), len(ev.block_hashes))
             if too_big is not None:
                 self.counters[too_big.reason] += 1
                 rejected.append(f"event {i} (id {ev.event_id}): {too_big}")

@@ -174,3 +174,24 @@ def test_records_of_every_writing_fold_as_their_v1() -> None:
         held.append(dict(fold.router.blocks((3, 0), Tier.DEVICE)))
     assert set(held[0]) == {2, 3, 4}  # block 1 removed, block 5 refused
     assert held[1] == held[0] and held[2] == held[0]
+
+
+def test_the_partition_budget_counts_exactly_before_it_refuses() -> None:
+    """The fold keeps an upper bound of the partition's blocks (removes not taken off):
+    a store the bound would refuse is decided on the exact count, as the reference
+    counts every time."""
+    authority = LogAuthority(max_blocks_per_partition=14)
+    records = [CODEC.encode(EventBatch(3, 2, 1_000, (ev,))) for ev in (
+        Cleared(3, 0, Tier.DEVICE, 2, 1),
+        Stored(3, 0, Tier.DEVICE, 2, 2, None, (1, 2, 3, 4, 5), (1, 2, 3, 4, 5)),
+        Stored(3, 0, Tier.DEVICE, 2, 3, 5, (6, 7, 8, 9, 10), (6, 7, 8, 9, 10)),
+        Removed(3, 0, Tier.DEVICE, 2, 4, (6, 7, 8, 9, 10)),
+        Stored(3, 0, Tier.DEVICE, 2, 5, 5, (11, 12, 13, 14, 15), (11, 12, 13, 14, 15)),  # 10 held after
+        Stored(3, 0, Tier.DEVICE, 2, 6, 15, (16, 17, 18, 19, 20), (16, 17, 18, 19, 20)),  # 15 > 14
+    )]
+    fold, reference = LogFold(Router(), CODEC, authority), ModelFold(Router(), CODEC, authority)
+    outs = [fold.apply_record(0, k, k, v) for k, v in enumerate(records)]
+    assert outs == [reference.apply_record(0, k, k, v) for k, v in enumerate(records)]
+    assert [o.applied_events for o in outs] == [1, 1, 1, 1, 1, 0]
+    assert outs[-1].dlq_reason is not None and "partition_block_limit" in outs[-1].dlq_reason
+    assert state(fold) == state(reference)
