@@ -38,7 +38,7 @@ class _KeepingReader:
 def collect_stats(
     settings: Settings, bounds: Bounds, *, top: int = 10, progress: bool | None = None
 ) -> dict[str, Any]:
-    reader = _KeepingReader(EventCodec())
+    kept = _KeepingReader(EventCodec())
 
     with LogReader(settings, "events") as reader:
         start, end = reader.resolve(bounds)
@@ -48,7 +48,7 @@ def collect_stats(
             "rejections may include stores whose parents were deleted"
             for p in start if reader.low[p] > 0 and start[p] < end[p]
         ]
-        fold = new_fold(settings, (bounds.to_ms or 0) / 1000, reader)
+        fold = new_fold(settings, (bounds.to_ms or 0) / 1000, kept)
         by_kind: Counter[str] = Counter()
         by_tier: Counter[str] = Counter()
         blocks: Counter[str] = Counter()
@@ -66,10 +66,10 @@ def collect_stats(
             records += 1
             first_ms = r.timestamp_ms if first_ms is None else min(first_ms, r.timestamp_ms)
             last_ms = r.timestamp_ms if last_ms is None else max(last_ms, r.timestamp_ms)
-            reader.last = None
+            kept.last = None
             before = Counter(fold.rejections())
             fold.apply(r)
-            batch = reader.last
+            batch = kept.last
             delta = Counter(fold.rejections()) - before
             if delta:
                 rejections.update(delta)
