@@ -307,20 +307,19 @@ class LogFold:
             if value is None:
                 raise DecodeError("record has no value")
             data, (wid, epoch, lease_ms, events) = self._read(value)
-        except DecodeError as exc:
+            rejected = self.authority.check_head(key, timestamp_ms, wid, epoch, lease_ms)
+            if rejected is not None:
+                self.counters[rejected.reason] += 1
+                outcome = Outcome(dlq_reason=str(rejected))
+            else:
+                outcome = self._apply_batch(partition, timestamp_ms, data, wid, epoch, lease_ms, events)
+        except DecodeError as exc:  # only the read raises it
             self.counters[DECODE_ERROR] += 1
             return Outcome(dlq_reason=f"{DECODE_ERROR}: {exc}")
-        rejected = self.authority.check_head(key, timestamp_ms, wid, epoch, lease_ms)
-        if rejected is not None:
-            self.counters[rejected.reason] += 1
-            outcome = Outcome(dlq_reason=str(rejected))
-        else:
-            try:
-                outcome = self._apply_batch(partition, timestamp_ms, data, wid, epoch, lease_ms, events)
-            except MemoryError:
-                raise  # not a property of the record: the replica cannot go on
-            except Exception as exc:
-                outcome = self._fold_error(partition, offset, exc)
+        except MemoryError:
+            raise  # not a property of the record: the replica cannot go on
+        except Exception as exc:
+            outcome = self._fold_error(partition, offset, exc)
         self._expire(partition, part.log_time_ms)
         return outcome
 
