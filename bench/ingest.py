@@ -111,7 +111,7 @@ def fold_s(records: Sequence[tuple[int, bytes]], n_stored: int) -> tuple[float, 
     opening, timed = read[: len(read) - n_stored], read[len(read) - n_stored :]
 
     def once() -> tuple[float, float]:
-        fold = LogFold(Router(), EventCodec().decode, authority_from_settings(FoldSettings()))
+        fold = LogFold(Router(), EventCodec(), authority_from_settings(FoldSettings()))
         apply = fold.apply
         for r in opening:
             apply(r)

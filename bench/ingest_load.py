@@ -95,7 +95,7 @@ def route_under_ingest(
     ns of one ``route_once`` under the lock, waiting included), while a thread folds
     ``records`` at ``rate`` block events/s."""
     lock = threading.Lock()
-    fold = LogFold(router, EventCodec().decode)
+    fold = LogFold(router, EventCodec())
     stop = threading.Event()
     done = [0, 0, 0]  # records, block events, records with a rejection
 

@@ -256,7 +256,7 @@ def _restore_breakdown(snap: Path) -> dict[str, float]:
     for b in blobs.values():
         packed_worker(b)
     unpack_s = time.perf_counter() - t0
-    fold = LogFold(Router(), EventCodec().decode)
+    fold = LogFold(Router(), EventCodec())
     t0 = time.perf_counter()
     restore_fold(fold, meta, blobs, set(meta.partitions))
     restore_s = time.perf_counter() - t0

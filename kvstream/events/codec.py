@@ -25,14 +25,19 @@ the compiled ``kvstream._native.EventBatchReader``, which takes only what the ge
 path above decodes into a valid batch and answers None for anything else (which then
 goes the generic way, for the result or the exact error); tests/events check both agree
 on random valid and invalid bytes. It decodes a small batch ~3x faster (building the
-model objects is most of what is left), and it can leave the hashes packed for the
-fold (``EventCodec.packed_reader``; kvstream bench ingest, docs/BENCHMARKS.md).
+model objects is most of what is left).
+
+The fold takes every record in one form, :data:`PackedRecord` (``EventCodec.read_packed``):
+hashes left packed in v1 bytes, and each event's digest. A v1 message is read as it is;
+any other that decodes (another schema version, a sized array block) is decoded the
+generic way, written again in v1 by the compiled writer and read back, so the fold has
+one path whatever the writer wrote (kvstream bench ingest, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from io import BytesIO
 from typing import Any
 
@@ -137,34 +142,28 @@ _KIND_SYMBOLS: dict[type, str] = {Stored: "STORED", Removed: "REMOVED", Cleared:
 PACKED_KINDS: tuple[type[RouterEvent], ...] = (Stored, Removed, Cleared)
 #: Model tiers in the order of its tier codes (PackedEvent[2]).
 PACKED_TIERS: tuple[Tier, ...] = tuple(Tier)
-#: What stands in an event's digest for its tier (its index in PACKED_TIERS) and for a
-#: missing parent: ``hash`` of an enum or of None differs between processes, and digests
-#: are kept in snapshots.
+#: What stands in an event's digest for a missing parent (and its tier's index in
+#: PACKED_TIERS for its tier): ``hash`` of None or of an enum differs between processes.
 _NO_PARENT = -1
+#: v1's header, and its enum symbols in the model's order: the layout of the fold's
+#: packed form (the compiled writer's and reader's); v1's own order, UNKNOWN aside.
+_V1_HEADER = MARKER + _V1_FINGERPRINT
+_MODEL_TIER_SYMBOLS = tuple(tier.name for tier in PACKED_TIERS)
+_MODEL_KIND_SYMBOLS = tuple(_KIND_SYMBOLS[cls] for cls in PACKED_KINDS)
 
 
-def event_digest(ev: RouterEvent) -> int:
-    """A digest of an event's content, the same in every process: ``hash`` of the tuple
-    of its fields with the stand-ins above. The compiled reader computes the same for
-    each event it reads (``EventBatchReader``: CPython's tuple and int hash), so the fold
-    keeps one digest whichever path read the record."""
-    head = (ev.worker_id, ev.dp_rank, _TIER_INDEX[ev.tier], ev.epoch, ev.event_id)
-    kind = type(ev)
-    if kind is Stored:
-        parent = _NO_PARENT if ev.parent_hash is None else ev.parent_hash
-        return hash((*head, parent, ev.block_hashes, ev.tokens_hashes))
-    if kind is Removed:
-        return hash((*head, ev.block_hashes))
-    return hash(head)
-
-
-_TIER_INDEX = {t: i for i, t in enumerate(PACKED_TIERS)}
 #: An event as the compiled reader gives it: (kind code, dp_rank, tier code, event_id,
 #: parent_hash, byte offset of its block hashes in the message, of its tokens hashes,
-#: block count, ``hash()`` of the model event it stands for).
+#: block count, digest). The digest is the same in every process and every version
+#: (snapshots keep it): ``hash`` of the tuple of the model event's fields, its tier
+#: given by its index in PACKED_TIERS and a missing parent by _NO_PARENT;
+#: tests/events/test_packed_reader.py holds the reference in Python.
 PackedEvent = tuple[int, int, int, int, int | None, int, int, int, int]
 #: (worker_id, epoch, lease_ms, events) of a message, hashes left packed in it.
 PackedBatch = tuple[int, int, int, tuple[PackedEvent, ...]]
+#: A record as the fold applies it: the v1 bytes its events' offsets point into (the
+#: record itself when it is a v1 message) and its PackedBatch.
+PackedRecord = tuple[bytes, PackedBatch]
 _STRUCTS: dict[int, struct.Struct] = {}
 _MAX_CACHED_STRUCTS = 1024
 
@@ -196,6 +195,20 @@ def unpack_u64(data: bytes) -> tuple[int, ...]:
     return _packer(count).unpack(data)
 
 
+def _reader(header: bytes, tiers: list[str] | tuple[str, ...], kinds: list[str] | tuple[str, ...]) -> EventBatchReader:
+    """The compiled reader of messages with ``header`` whose Tier and Kind enums have
+    these symbols: each symbol's position in the model's order (-1: UNKNOWN, which the
+    generic path refuses), and the digests' stand-ins."""
+    kind_names = [_KIND_SYMBOLS[cls] for cls in PACKED_KINDS]
+    return EventBatchReader(
+        header,
+        [PACKED_TIERS.index(_TIER_BY_SYMBOL[s]) if s in _TIER_BY_SYMBOL else -1 for s in tiers],
+        [kind_names.index(s) if s in kind_names else -1 for s in kinds],
+        [hash(i) for i in range(len(PACKED_TIERS))],
+        hash(_NO_PARENT),
+    )
+
+
 class EventCodec:
     """``EventBatch`` ↔ single-object Avro bytes of ``kvstream.events.EventBatch``."""
 
@@ -210,28 +223,34 @@ class EventCodec:
         tiers, kinds = event[1]["type"]["symbols"], event[3]["type"]["symbols"]
         self._tier_index = {tier: tiers.index(tier.name) for tier in Tier}
         self._kind_index = {cls: kinds.index(name) for cls, name in _KIND_SYMBOLS.items()}
-        # The compiled reader of the same layout, positions of the schema's symbols in
-        # the model's order (-1: UNKNOWN, which the generic path refuses).
-        kind_names = [_KIND_SYMBOLS[cls] for cls in PACKED_KINDS]
-        self._reader = (
-            EventBatchReader(
-                self._header,
-                [PACKED_TIERS.index(_TIER_BY_SYMBOL[s]) if s in _TIER_BY_SYMBOL else -1 for s in tiers],
-                [kind_names.index(s) if s in kind_names else -1 for s in kinds],
-                [hash(i) for i in range(len(PACKED_TIERS))],  # event_digest's stand-ins
-                hash(_NO_PARENT),
-            )
-            if self._fast
-            else None
-        )
+        # The compiled reader of the same layout (None: every message goes the generic way).
+        self._reader = _reader(self._header, tiers, kinds) if self._fast else None
+        # The packed form of read_packed: v1 (the current layout, or v1 in the model's
+        # order, which is v1's, when the current schema is another).
+        if self._reader is not None:
+            self._v1_header, self._v1_tiers, self._v1_kinds = self._header, self._tier_index, self._kind_index
+            self._v1_reader = self._reader
+        else:
+            self._v1_header = _V1_HEADER
+            self._v1_tiers = {tier: i for i, tier in enumerate(PACKED_TIERS)}
+            self._v1_kinds = {cls: i for i, cls in enumerate(PACKED_KINDS)}
+            self._v1_reader = _reader(_V1_HEADER, _MODEL_TIER_SYMBOLS, _MODEL_KIND_SYMBOLS)
 
-    @property
-    def packed_reader(self) -> Callable[[bytes], PackedBatch | None] | None:
-        """The compiled reader of the current layout (None when the current schema is
-        not v1's): the :data:`PackedBatch` of a message that :meth:`decode` would decode
-        into a valid batch, else None (then :meth:`decode` says what is wrong). It reads
-        what the fold needs without building the batch."""
-        return None if self._reader is None else self._reader.read
+    def read_packed(self, data: bytes) -> PackedRecord:
+        """The :data:`PackedRecord` of a message, or the DecodeError :meth:`decode` raises
+        (the same, by the same path). A v1 message costs one compiled read; any other is
+        decoded the generic way and brought to v1 by the compiled writer."""
+        reader = self._reader
+        if reader is not None and type(data) is bytes:
+            packed = reader.read(data)
+            if packed is not None:
+                return data, packed
+        batch = self._decode_generic(data)
+        v1 = self._encode_v1(batch, self._v1_header, self._v1_tiers, self._v1_kinds)
+        packed = self._v1_reader.read(v1)
+        if packed is None:  # the writer and the reader disagree on v1: a bug, not the record's
+            raise RuntimeError(f"the compiled reader refused the v1 bytes of a decoded batch: {v1.hex()}")
+        return v1, packed
 
     def encode(self, batch: EventBatch) -> bytes:
         if self._fast:
@@ -245,7 +264,12 @@ class EventCodec:
         return self._encode_generic(batch)
 
     def _encode_fast(self, batch: EventBatch) -> bytes:
-        tier_index, kind_index = self._tier_index, self._kind_index
+        """The compiled writer's bytes of ``batch`` in the current layout (v1's)."""
+        return self._encode_v1(batch, self._header, self._tier_index, self._kind_index)
+
+    @staticmethod
+    def _encode_v1(batch: EventBatch, header: bytes, tier_index: dict[Tier, int], kind_index: dict[type, int]) -> bytes:
+        """The compiled writer's v1 bytes of ``batch``, with these enum indexes."""
         events = tuple(
             (
                 kind_index[type(ev)], ev.dp_rank, tier_index[ev.tier], ev.event_id,
@@ -255,7 +279,7 @@ class EventCodec:
             )
             for ev in batch.events
         )
-        return encode_event_batch(self._header, batch.worker_id, batch.epoch, batch.lease_ms, events)
+        return encode_event_batch(header, batch.worker_id, batch.epoch, batch.lease_ms, events)
 
     def _encode_generic(self, batch: EventBatch) -> bytes:
         try:

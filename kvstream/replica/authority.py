@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstream.events.model import Cleared, EventBatch, RouterEvent, Stored
 from kvstream.events.wire import worker_key
 from kvstream.settings import FoldSettings
 
@@ -76,13 +75,9 @@ class LogAuthority:
     #: Only these worker ids are accepted (None: any).
     allowed_workers: frozenset[int] | None = None
 
-    def check_batch(self, key: bytes | None, timestamp_ms: int, batch: EventBatch) -> Rejection | None:
-        """Checks that need nothing but the record."""
-        return self.check_head(key, timestamp_ms, batch.worker_id, batch.epoch, batch.lease_ms)
-
     def check_head(self, key: bytes | None, timestamp_ms: int, wid: int, epoch: int, lease_ms: int) -> Rejection | None:
-        """:meth:`check_batch` of a batch given by its head (the fold's compiled path
-        reads no model batch)."""
+        """Checks of a batch that need nothing but the record: its key, timestamp and
+        head (worker id, epoch, lease)."""
         if self.check_key and key != worker_key(wid):
             got = "no key" if key is None else f"key {key.hex()}"
             return Rejection(KEY_MISMATCH, f"worker {wid} in a record with {got} (expected {worker_key(wid).hex()})")
@@ -98,15 +93,10 @@ class LogAuthority:
             return Rejection(LEASE_TOO_LONG, f"lease {lease_ms} ms > {self.max_lease_ms} ms")
         return None
 
-    def check_event(self, ev: RouterEvent, held: int) -> Rejection | None:
-        """Size limits of one event, for a worker holding ``held`` blocks (an upper
-        bound will do: the fold counts exactly before it rejects for the worker limit)."""
-        if type(ev) is Cleared:
-            return None
-        return self.check_blocks(type(ev) is Stored, len(ev.block_hashes), held)
-
     def check_blocks(self, stored: bool, n: int, held: int) -> Rejection | None:
-        """:meth:`check_event` of a stored (or removed) event of ``n`` blocks."""
+        """Size limits of a stored (or removed) event of ``n`` blocks, for a worker
+        holding ``held`` blocks (an upper bound will do: the fold counts exactly before it
+        rejects for the worker limit)."""
         if self.max_blocks_per_event is not None and n > self.max_blocks_per_event:
             return Rejection(EVENT_TOO_LARGE, f"{n} blocks > {self.max_blocks_per_event} per event")
         if self.max_blocks_per_worker is not None and stored and held + n > self.max_blocks_per_worker:

@@ -22,12 +22,11 @@ clock, so that two replicas (or a replay) that read the same records agree exact
   partitions are read in, so live replicas, fresh ones and replay agree after
   partitions are added (docs/RELIABILITY.md, "Topology changes").
 
-The common record — a batch of a known incarnation on its partition, each event the
-next of its rank, within the authority's limits — takes a compiled path when ``decode``
-is an :class:`~kvstream.events.codec.EventCodec`'s: the codec's reader leaves the hashes
-packed in the record and the index applies them from there (no model objects). It makes
-exactly the decisions of the general path, which every other record takes (kvstream
-bench ingest; the fold's tests run both).
+Every record that decodes comes to the fold in one form, whatever schema version wrote
+it (:class:`PackedReader`; :meth:`~kvstream.events.codec.EventCodec.read_packed`): its
+hashes packed in v1 bytes, which the index applies from directly, and each event's
+digest. One path decides over that form and applies it (kvstream bench ingest;
+tests/replica/test_fold_paths.py checks it against the model objects' decoding).
 """
 
 from __future__ import annotations
@@ -39,19 +38,13 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch, event_digest
+from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, PackedEvent, PackedRecord
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import (
-    Cleared,
-    EventBatch,
-    Removed,
-    RouterEvent,
-    Stored,
-)
+from kvstream.events.model import Cleared, Removed, Stored
 from kvstream.logs import get_logger
-from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority, Rejection
+from kvstream.replica.authority import TRUSTING, WORKER_FULL, LogAuthority
 from kvstream.router import Router
 
 if TYPE_CHECKING:
@@ -95,7 +88,7 @@ FOLD_SLICE = 16
 #: How long the ingest thread holds the router lock at most before routes get their
 #: turn: a catch-up consume (2,000 records) folded in one hold would stall every route
 #: for as long as it takes. ~1 ms is what a slice of 16 records at ~70 µs took before
-#: the fold's compiled path; giving the GIL up after every 16 records at ~5 µs each
+#: the fold read records packed; giving the GIL up after every 16 records at ~5 µs each
 #: would cost more than the records (time.sleep(0) measured ~85 µs here).
 FOLD_HOLD_S = 0.001
 
@@ -159,17 +152,14 @@ class WorkerLog:
     #: partition's worker limit only then (kvstream.replica.fold.LogFold._displace_blockless).
     stored: bool = False
 
-    def conflicts(self, ev: RouterEvent) -> bool:
-        """Whether ``ev`` reuses an id of the recent window with other content (an
-        older id, outside the window, is taken for a redelivery)."""
-        seen = self.recent.get(ev.dp_rank)
-        digest = seen.get(ev.event_id) if seen else None
-        return digest is not None and digest != event_digest(ev)
+    def conflicts(self, rank: int, event_id: int, digest: int) -> bool:
+        """Whether an event of ``digest`` reuses an id of the recent window with other
+        content (an older id, outside the window, is taken for a redelivery)."""
+        seen = self.recent.get(rank)
+        known = seen.get(event_id) if seen else None
+        return known is not None and known != digest
 
-    def remember(self, ev: RouterEvent) -> None:
-        self.remember_digest(ev.dp_rank, ev.event_id, event_digest(ev))
-
-    def remember_digest(self, rank: int, event_id: int, digest: int) -> None:
+    def remember(self, rank: int, event_id: int, digest: int) -> None:
         seen = self.recent.get(rank)
         if seen is None:
             seen = self.recent[rank] = {}
@@ -223,13 +213,22 @@ class PartitionState:
     log_time_ms: int = 0
 
 
+class PackedReader(Protocol):
+    """Reads a record's value into the fold's form (kvstream.events.codec.EventCodec)."""
+
+    def read_packed(self, data: bytes) -> PackedRecord:
+        """The record's events with their hashes packed and their digests, or
+        DecodeError saying why it cannot be applied."""
+        ...
+
+
 class LogFold:
     """Folds records of the events topic into ``router``. Single writer."""
 
     def __init__(
         self,
         router: Router,
-        decode: Callable[[bytes], EventBatch],
+        reader: PackedReader,
         authority: LogAuthority = TRUSTING,
         on_expired: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -237,11 +236,7 @@ class LogFold:
         #: Told (worker id, log time ms) of each expiry: replay re-applies the removal
         #: of the worker's requests at that time among the active ops.
         self._on_expired = on_expired
-        self._decode = decode
-        codec = getattr(decode, "__self__", None)
-        self._read_packed: Callable[[bytes], PackedBatch | None] | None = (
-            codec.packed_reader if isinstance(codec, EventCodec) else None
-        )
+        self._read = reader.read_packed
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
         self.workers: dict[int, WorkerLog] = {}
@@ -308,34 +303,23 @@ class LogFold:
         if is_tick:
             self._expire(partition, part.log_time_ms)
             return Outcome()
-        if self._read_packed is not None and value is not None:
-            try:
-                outcome = self._apply_packed(partition, timestamp_ms, key, value)
-            except MemoryError:
-                raise
-            except Exception as exc:
-                outcome = self._fold_error(partition, offset, exc)
-            if outcome is not None:
-                self._expire(partition, part.log_time_ms)
-                return outcome
         try:
             if value is None:
                 raise DecodeError("record has no value")
-            batch = self._decode(value)
-        except DecodeError as exc:
+            data, (wid, epoch, lease_ms, events) = self._read(value)
+            rejected = self.authority.check_head(key, timestamp_ms, wid, epoch, lease_ms)
+            if rejected is not None:
+                self.counters[rejected.reason] += 1
+                outcome = Outcome(dlq_reason=str(rejected))
+            else:
+                outcome = self._apply_batch(partition, timestamp_ms, data, wid, epoch, lease_ms, events)
+        except DecodeError as exc:  # only the read raises it
             self.counters[DECODE_ERROR] += 1
             return Outcome(dlq_reason=f"{DECODE_ERROR}: {exc}")
-        rejected = self.authority.check_batch(key, timestamp_ms, batch)
-        if rejected is not None:
-            self.counters[rejected.reason] += 1
-            outcome = Outcome(dlq_reason=str(rejected))
-        else:
-            try:
-                outcome = self._apply_batch(partition, timestamp_ms, batch)
-            except MemoryError:
-                raise  # not a property of the record: the replica cannot go on
-            except Exception as exc:
-                outcome = self._fold_error(partition, offset, exc)
+        except MemoryError:
+            raise  # not a property of the record: the replica cannot go on
+        except Exception as exc:
+            outcome = self._fold_error(partition, offset, exc)
         self._expire(partition, part.log_time_ms)
         return outcome
 
@@ -344,98 +328,30 @@ class LogFold:
         self.counters[FOLD_ERROR] += 1
         return Outcome(dlq_reason=f"{FOLD_ERROR}: {type(exc).__name__}: {exc}")
 
-    def _apply_packed(self, partition: int, ts: int, key: bytes | None, value: bytes) -> Outcome | None:
-        """The compiled path: the outcome of the common record, or None (nothing done)
-        for any other, which :meth:`_apply_batch` then takes. Everything that decides
-        is checked before anything changes, so the two paths decide alike."""
-        packed = self._read_packed(value)  # type: ignore[misc]
-        if packed is None:
-            return None
-        wid, epoch, lease_ms, events = packed
-        log = self.workers.get(wid)
-        if log is None or log.epoch != epoch or log.partition != partition:
-            return None
-        if self.authority.check_head(key, ts, wid, epoch, lease_ms) is not None:
-            return None
-        router = self.router
-        held = -1  # counted at the first stored event
-        last_ids = log.last_ids
-        check_blocks = self.authority.check_blocks
-        # Each event the next id of its rank (or its rank's first), within the limits
-        # even if every store before it in the batch is accepted (an upper bound of held).
-        ids: dict[int, int] = {}
-        stored = 0
-        for kind, rank, _, eid, _, _, _, n, _ in events:
-            last = ids.get(rank, last_ids.get(rank))
-            if last is not None and eid != last + 1:
-                return None
-            ids[rank] = eid
-            if kind == _STORED:
-                if held < 0:
-                    held = router.worker_blocks(wid)
-                if check_blocks(True, n, held) is not None:
-                    return None
-                held += n
-                stored += n
-            elif kind == _REMOVED and check_blocks(False, n, 0) is not None:
-                return None
-        # The partition's block budget by its upper bound (_partition_budget): where the
-        # bound is unknown or would refuse, the general path counts exactly.
-        budgeted = stored and self.authority.max_blocks_per_partition is not None
-        if budgeted:
-            bound = self._partition_held.get(partition)
-            if bound is None:
-                bound = self._partition_held[partition] = self._partition_blocks(partition)
-            if self.authority.partition_blocks_full(bound, stored) is not None:
-                return None
-            self._partition_held[partition] = bound + stored
-        self.dirty.add(wid)
-        log.lease_ms = lease_ms
-        if ts > log.last_seen_ms:
-            log.last_seen_ms = ts
-        known = router.knows(wid)
-        announced = False
-        applied = 0
-        rejected: list[str] = []
-        apply = router.apply_packed
-        remember = log.remember_digest
-        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
-            last_ids[rank] = eid
-            remember(rank, eid, digest)  # event_digest of the model event, as the general path keeps
-            reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, value, blocks_at, tokens_at, n)
-            if reason is None:
-                applied += 1
-                announced = announced or kind != _REMOVED
-                if kind == _STORED:
-                    log.stored = True
-            else:
-                rejected.append(f"event {i} (id {eid}): {reason}")
-        if not known and not announced and router.knows(wid):
-            router.unindex(wid)  # as in _apply_batch
-        if rejected:
-            return Outcome(dlq_reason="; ".join(rejected), applied_events=applied)
-        return _APPLIED[applied] if applied < len(_APPLIED) else Outcome(applied_events=applied)
-
-    def _apply_batch(self, partition: int, ts: int, batch: EventBatch) -> Outcome:
-        wid = batch.worker_id
+    def _apply_batch(
+        self, partition: int, ts: int, data: bytes, wid: int, epoch: int, lease_ms: int,
+        events: tuple[PackedEvent, ...],
+    ) -> Outcome:
+        """Apply a batch of ``wid``'s incarnation ``epoch``, its events' hashes packed in
+        ``data``."""
         log = self.workers.get(wid)
         resync: list[int] = []
-        if log is not None and log.outranks(batch.epoch, partition):
-            if batch.epoch < log.epoch:
-                return self._stale(wid, batch.epoch, log.epoch, ts)
-            self.counters[WRONG_PARTITION] += 1
-            return Outcome(
-                dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {batch.epoch} is bound to partition "
-                f"{log.partition}, not {partition} (a worker starts a new epoch after partitions are added)",
-                resync=(wid,),
-            )
-        if log is None or log.epoch != batch.epoch or log.partition != partition:
+        if log is None or log.epoch != epoch or log.partition != partition:
+            if log is not None and log.outranks(epoch, partition):
+                if epoch < log.epoch:
+                    return self._stale(wid, epoch, log.epoch, ts)
+                self.counters[WRONG_PARTITION] += 1
+                return Outcome(
+                    dlq_reason=f"{WRONG_PARTITION}: worker {wid} epoch {epoch} is bound to partition "
+                    f"{log.partition}, not {partition} (a worker starts a new epoch after partitions are added)",
+                    resync=(wid,),
+                )
             if log is None or log.partition != partition:
                 full = self.authority.partition_full(self._bound[partition])
                 if full is not None and not self._displace_blockless(partition):
                     self.counters[full.reason] += 1
                     return Outcome(dlq_reason=str(full))
-                heapq.heappush(self._deadlines.setdefault(partition, []), (ts + batch.lease_ms, wid))
+                heapq.heappush(self._deadlines.setdefault(partition, []), (ts + lease_ms, wid))
                 self._bound[partition] += 1
             if log is not None:
                 # A new incarnation replaces the old one even if its `cleared` was lost;
@@ -443,73 +359,88 @@ class LogFold:
                 self.router.clear_worker(wid)
                 if log.partition != partition:
                     self._bound[log.partition] -= 1
-            log = self.workers[wid] = WorkerLog(partition, batch.epoch, batch.lease_ms, ts)
+            log = self.workers[wid] = WorkerLog(partition, epoch, lease_ms, ts)
             self._began[wid] = ts
             heapq.heappush(self._blockless.setdefault(partition, []), (ts, wid))
-            if batch.events and type(batch.events[0]) is not Cleared:
+            if events and events[0][0] != _CLEARED:
                 self.counters[NO_CLEARED] += 1
                 resync.append(wid)
         self.dirty.add(wid)
-        log.lease_ms = batch.lease_ms
-        log.last_seen_ms = max(log.last_seen_ms, ts)
+        log.lease_ms = lease_ms
+        if ts > log.last_seen_ms:
+            log.last_seen_ms = ts
         rejected: list[str] = []
         applied = 0
         router = self.router
         known = router.knows(wid)
         announced = False
-        apply_event = self.router.apply_event
-        check_event = self.authority.check_event
+        apply = router.apply_packed
+        authority = self.authority
+        check_blocks = authority.check_blocks
+        # The partition's block budget by an upper bound of what its workers hold (stores
+        # added, nothing taken off): counted exactly only where it is unknown or would refuse.
+        budgeted = authority.max_blocks_per_partition is not None
+        partition_full = authority.partition_blocks_full
+        bounds = self._partition_held
         last_ids = log.last_ids
-        # Blocks the worker holds, an upper bound (stores added, removes not taken off):
-        # counted exactly only when the bound would reject a store.
-        held = router.worker_blocks(wid)
-        for i, ev in enumerate(batch.events):
-            last = last_ids.get(ev.dp_rank)
+        # Blocks the worker holds, an upper bound (stores added, removes not taken off),
+        # counted at its first store: counted exactly only when the bound would reject one.
+        held = -1
+        for i, (kind, rank, tier, eid, parent, blocks_at, tokens_at, n, digest) in enumerate(events):
+            last = last_ids.get(rank)
             if last is not None:
-                if ev.event_id <= last:
-                    if log.conflicts(ev):
+                if eid <= last:
+                    if log.conflicts(rank, eid, digest):
                         self.counters[ID_CONFLICT] += 1
-                        rejected.append(f"event {i} (id {ev.event_id}): {ID_CONFLICT}")
+                        rejected.append(f"event {i} (id {eid}): {ID_CONFLICT}")
                         if wid not in resync:
                             resync.append(wid)
                     else:
                         self.counters[DUPLICATE] += 1
                     continue
-                if ev.event_id != last + 1:
+                if eid != last + 1:
                     self.counters[GAP] += 1
                     if wid not in resync:
                         resync.append(wid)
-            last_ids[ev.dp_rank] = ev.event_id
-            log.remember(ev)
-            too_big = check_event(ev, held)
-            if too_big is not None and too_big.reason == WORKER_FULL:
-                held = router.worker_blocks(wid)
-                too_big = check_event(ev, held)
-            if too_big is None and type(ev) is Stored:
-                too_big = self._partition_budget(partition, len(ev.block_hashes))
+            last_ids[rank] = eid
+            log.remember(rank, eid, digest)
+            too_big = None
+            if kind == _STORED:
+                if held < 0:
+                    held = router.worker_blocks(wid)
+                too_big = check_blocks(True, n, held)
+                if too_big is not None and too_big.reason == WORKER_FULL:
+                    held = router.worker_blocks(wid)
+                    too_big = check_blocks(True, n, held)
+                if too_big is None and budgeted:
+                    bound = bounds.get(partition)
+                    if bound is None or partition_full(bound, n) is not None:
+                        bound = self._partition_blocks(partition)
+                        too_big = partition_full(bound, n)
+                    bounds[partition] = bound if too_big is not None else bound + n
+            elif kind == _REMOVED:
+                too_big = check_blocks(False, n, 0)
             if too_big is not None:
                 self.counters[too_big.reason] += 1
-                rejected.append(f"event {i} (id {ev.event_id}): {too_big}")
+                rejected.append(f"event {i} (id {eid}): {too_big}")
                 continue
-            reason = apply_event(ev)
+            reason = apply(PACKED_KINDS[kind], wid, rank, PACKED_TIERS[tier], parent, data, blocks_at, tokens_at, n)
             if reason is None:
                 applied += 1
-                if type(ev) is Stored:
-                    held += len(ev.block_hashes)
+                if kind == _STORED:
+                    held += n
                     log.stored = True
-                announced = announced or type(ev) is not Removed
+                announced = announced or kind != _REMOVED
             else:
-                rejected.append(f"event {i} (id {ev.event_id}): {reason}")
+                rejected.append(f"event {i} (id {eid}): {reason}")
         if not known and not announced and router.knows(wid):
             # A worker becomes a candidate by an accepted store or its `cleared` (an
             # empty cache is a real worker); rejected stores and removes of blocks it
             # never had must not make it one.
             router.unindex(wid)
-        return Outcome(
-            dlq_reason="; ".join(rejected) if rejected else None,
-            resync=tuple(resync),
-            applied_events=applied,
-        )
+        if rejected or resync:
+            return Outcome("; ".join(rejected) if rejected else None, tuple(resync), applied)
+        return _APPLIED[applied] if applied < len(_APPLIED) else Outcome(applied_events=applied)
 
     def _stale(self, wid: int, epoch: int, held: int, ts: int) -> Outcome:
         """A batch under an older epoch than the one the log accepted for its worker: a
@@ -562,22 +493,6 @@ class LogFold:
             self.counters[DISPLACED] += 1
             return True
         return False
-
-    def _partition_budget(self, partition: int, n: int) -> Rejection | None:
-        """The fleet-wide block budget, per partition: whether a store of ``n`` blocks
-        fits; if so it is added to the partition's bound."""
-        if self.authority.max_blocks_per_partition is None:
-            return None
-        budget = self.authority.partition_blocks_full
-        held = self._partition_held.get(partition)
-        if held is None or budget(held, n) is not None:
-            held = self._partition_blocks(partition)
-            full = budget(held, n)
-            if full is not None:
-                self._partition_held[partition] = held
-                return full
-        self._partition_held[partition] = held + n
-        return None
 
     def _partition_blocks(self, partition: int) -> int:
         """Blocks the workers bound to ``partition`` hold (exact)."""

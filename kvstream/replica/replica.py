@@ -81,7 +81,7 @@ class Replica:
         self.replica_id = o.replica_id
         self.router = Router(router_config, clock=clock)
         self.codec = AvroCodec()
-        self.fold = LogFold(self.router, EventCodec(self.codec).decode, authority_from_settings(settings.fold))
+        self.fold = LogFold(self.router, EventCodec(self.codec), authority_from_settings(settings.fold))
         self.active_codec = ActiveOpCodec(self.codec)
         #: The workers' registrations (kvstream.workers): admission reads them, and the
         #: gateway's directory of registered workers (kvstream.gateway.static).

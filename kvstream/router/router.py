@@ -1,7 +1,9 @@
 """The in-process router (DESIGN.md §4–§6, §9): tier indexes, active sequences, learned
 prefill rates and the decision behind one object that owns them (callers use its
-methods, never its fields). It knows nothing of Kafka: the replica feeds it router
-events (``apply_event``) and peers' active-sequence ops (``apply_active``)."""
+methods, never its fields). It knows nothing of Kafka: the replica's fold feeds it router
+events with their hashes still packed in the record (``apply_packed``), and peers'
+active-sequence ops (``apply_active``); ``apply_event`` applies a model event (the
+benchmarks' baselines, the reference models in tests)."""
 
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class Router:
         self.config = config or RouterConfig()
         self._clock = clock
         self._index = TieredIndex()
-        #: The index's apply of an event still packed in a message (the fold's hot path:
+        #: The index's apply of an event still packed in a message (the fold's one path:
         #: bound here, not wrapped, so that it costs no extra call per event).
         self.apply_packed: Callable[..., str | None] = self._index.apply_packed
         self._active = ActiveSequences(self.config.request_ttl_s, clock)

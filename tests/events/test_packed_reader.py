@@ -4,7 +4,9 @@ against the generic path it stands in for (strict walk, fastavro, the model's ch
 On any bytes, ``EventCodec.decode`` (reader first) and ``EventCodec._decode_generic``
 must give the same batch or the same DecodeError (message and reason). Where the reader
 takes a message, what it gives must be exactly the generic batch: ids, offsets of the
-packed hashes, and ``hash()`` of each model event (the fold's digest).
+packed hashes, and each event's digest (tests/events/digest.py's, the fold's). The
+fold's form of any message (``EventCodec.read_packed``) is that batch too, in v1 bytes,
+or that error.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvstream.events.codec import HEADER_LEN, MARKER, PACKED_KINDS, PACKED_TIERS, EventCodec, event_digest, unpack_u64
+from kvstream.events.codec import HEADER_LEN, MARKER, PACKED_KINDS, PACKED_TIERS, EventCodec, unpack_u64
 from kvstream.events.errors import DecodeError
-from kvstream.events.model import Cleared, EventBatch, Stored
+from kvstream.events.model import Cleared, EventBatch, Removed, Stored, Tier
 
+from .digest import event_digest
 from .strategies import event_batches
 from .test_avro_oracle import CRAFTED
 from .test_codec import FP, event_body, message, zigzag
 
 CODEC = EventCodec()
-READ = CODEC.packed_reader
+READ = CODEC._reader.read  # the compiled reader alone (None where it leaves a message)
 
 
 def outcome(decode: Any, data: bytes) -> Any:
@@ -41,6 +44,15 @@ def assert_same(data: bytes) -> None:
     if packed is not None:
         assert isinstance(generic, EventBatch)
         assert_packed_is(data, packed, generic)
+    # The fold's form (read_packed): the same batch in v1 bytes, or the same error.
+    try:
+        form, packed = CODEC.read_packed(data)
+    except DecodeError as exc:
+        assert ("DecodeError", str(exc), exc.reason) == generic
+    else:
+        assert isinstance(generic, EventBatch)
+        assert_packed_is(form, packed, generic)
+        assert (form is data) == (READ(data) is not None)  # a v1 message is not copied
 
 
 def assert_packed_is(data: bytes, packed: Any, batch: EventBatch) -> None:
@@ -136,3 +148,19 @@ def test_crafted_cases_decode_alike() -> None:
         assert_same(data)
     # A sized block is valid Avro the reader leaves to the generic path.
     assert READ(CRAFTED[-1]) is None and isinstance(CODEC.decode(CRAFTED[-1]), EventBatch)
+
+
+def test_digests_do_not_change() -> None:
+    """Snapshots keep the digests: these values (CPython's tuple hash of the fields, as
+    stored since the digest was introduced) must hold in every later version, computed
+    by the compiled reader as by the Python reference."""
+    cases = [
+        (Stored(7, 1, Tier.HOST_PINNED, 3, 9, None, (1, 2**64 - 1), (5, 6)), -7926553023559663288),
+        (Stored(2**64 - 1, 0, Tier.DEVICE, 2**63, 1, 2**61 - 1, (3,), (4,)), -6168629874250071638),
+        (Removed(7, 2, Tier.DISK, 3, 10, (1,)), -1731718830003482222),
+        (Cleared(7, 0, Tier.EXTERNAL, 3, 11), 3496647143410139544),
+    ]
+    for ev, digest in cases:
+        assert event_digest(ev) == digest
+        _, packed = CODEC.read_packed(CODEC.encode(EventBatch(ev.worker_id, ev.epoch, 0, (ev,))))
+        assert packed[3][0][8] == digest

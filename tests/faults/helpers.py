@@ -61,7 +61,7 @@ def read_log(settings: Settings, timeout: float = 60.0) -> list[Record]:
 def reference_fold(records: list[Record], fold_settings: FoldSettings | None = None) -> LogFold:
     """A fresh fold fed ``records`` in offset order, with the authority a replica with
     ``fold_settings`` (default: the default settings) applies: the truth it must equal."""
-    fold = LogFold(Router(), CODEC.decode, authority_from_settings(fold_settings or FoldSettings()))
+    fold = LogFold(Router(), CODEC, authority_from_settings(fold_settings or FoldSettings()))
     for r in records:
         fold.apply(r)
     return fold

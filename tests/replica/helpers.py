@@ -15,7 +15,7 @@ LEASE_MS = 10_000
 
 
 def new_fold() -> LogFold:
-    return LogFold(Router(), CODEC.decode)
+    return LogFold(Router(), CODEC)
 
 
 class FakeWorkerLog:

@@ -33,7 +33,7 @@ U64 = (1 << 64) - 1
 
 
 def fold_with(**kw) -> LogFold:
-    return LogFold(Router(), CODEC.decode, authority_from_settings(FoldSettings(**kw)))
+    return LogFold(Router(), CODEC, authority_from_settings(FoldSettings(**kw)))
 
 
 def blocks(fold: LogFold, wid: int) -> int:
@@ -104,7 +104,7 @@ def test_workers_per_partition_are_bounded_and_freed_by_expiry() -> None:
 
 
 def test_a_stolen_event_id_is_a_conflict_that_asks_for_a_resync() -> None:
-    fold = LogFold(Router(), CODEC.decode, LogAuthority())
+    fold = LogFold(Router(), CODEC, LogAuthority())
     w = FakeWorkerLog(1)
     fold.apply_record(0, 0, 1, w.batch(w.cleared(), w.stored(TOKENS[:32])))
     thief = FakeWorkerLog(1)

@@ -15,7 +15,7 @@ CODEC = EventCodec()
 
 
 def test_a_route_after_the_last_worker_expired_names_it_and_when():
-    fold = LogFold(Router(), CODEC.decode)
+    fold = LogFold(Router(), CODEC)
     with pytest.raises(NoEligibleWorkerError, match="none has published an event within its lease"):
         fold.router.find_best_match(list(range(32)))
     events = (Cleared(1, 0, Tier.DEVICE, 7, 1), Stored(1, 0, Tier.DEVICE, 7, 2, None, (5,), (6,)))
@@ -36,7 +36,7 @@ def batch(epoch: int, *events) -> bytes:
 def test_alternating_incarnations_of_one_worker_id_are_a_clash():
     from kvstream.replica.fold import STALE_EPOCH, WORKER_CLASH
 
-    fold = LogFold(Router(), CODEC.decode)
+    fold = LogFold(Router(), CODEC)
     t = 1_764_600_000_000
     a, b = 100, 200
     fold.apply_record(0, 0, t, batch(a, Cleared(5, 0, Tier.DEVICE, a, 1)))

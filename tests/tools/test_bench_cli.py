@@ -71,7 +71,7 @@ def test_churn_records_fold_to_one_fresh_chain_per_worker() -> None:
     for i, (wid, rank) in enumerate(workers):
         router.apply_event(Stored(wid, rank, Tier.DEVICE, 0, i, None, (100 + i, 200 + i), (1, 2)))
     before = {k: v[Tier.DEVICE] for k, v in router.tree_sizes().items()}
-    fold = LogFold(router, EventCodec().decode)
+    fold = LogFold(router, EventCodec())
     outs = [fold.apply_record(0, k, 0, rec) for k, rec in enumerate(churn_records(workers, 5 * len(workers), 0))]
     assert [o.dlq_reason for o in outs] == [None] * len(outs)
     after = {k: v[Tier.DEVICE] for k, v in router.tree_sizes().items()}

@@ -50,7 +50,7 @@ class Live:
 
     def __post_init__(self) -> None:
         self.fold = LogFold(
-            Router(router_config(SETTINGS), clock=lambda: self.now_ms / 1000), CODEC.decode,
+            Router(router_config(SETTINGS), clock=lambda: self.now_ms / 1000), CODEC,
             authority_from_settings(SETTINGS.fold),
         )
         self.codec = ActiveOpCodec()

@@ -174,7 +174,7 @@ def test_synthetic_worker_publishes_what_a_replica_folds(kafka_topics, tmp_path)
     )
     assert proc.returncode == 0, proc.stdout
     codec = EventCodec()
-    fold = LogFold(Router(), codec.decode)
+    fold = LogFold(Router(), codec)
     sizes: dict = {}
     for offset, (partition, _, batch) in enumerate(read_batches(kafka_topics)):
         out = fold.apply_record(partition, offset, 0, codec.encode(batch))

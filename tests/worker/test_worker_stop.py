@@ -71,7 +71,7 @@ def test_ctrl_c_exits_130_after_withdrawing_the_blocks(kafka_topics, tmp_path):
     assert "withdrawn=True" in out, out
 
     codec = EventCodec()
-    fold = LogFold(Router(), codec.decode)
+    fold = LogFold(Router(), codec)
     most: dict[Tier, int] = {}
     batches = read_batches(kafka_topics)
     for offset, (partition, _, batch) in enumerate(batches):

@@ -9,18 +9,18 @@ own :class:`~kvstream.replica.fold.LogFold`, so the result is the replica's stat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstream.events.codec import EventCodec
-from kvstream.events.model import EventBatch, Tier
+from kvstream.events.model import Tier
 from kvstream.kafka.topics import topic_id
 from kvstream.replica.cli import router_config
 from kvstream.replica.authority import authority_from_settings
 from kvstream.replica.errors import SnapshotError
-from kvstream.replica.fold import LogFold
+from kvstream.replica.fold import LogFold, PackedReader
 from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router import Router
@@ -33,14 +33,15 @@ from kvstream.tools.replay.reader import LogReader, format_time
 def new_fold(
     settings: Settings,
     at_s: float,
-    decode: Callable[[bytes], EventBatch] | None = None,
+    reader: PackedReader | None = None,
     removals: list[tuple[int, int]] | None = None,
 ) -> LogFold:
     """An empty fold with the settings' router, whose clock stands still at ``at_s`` (so
-    that request expiry is evaluated as of the replayed time); each worker expiry is
-    appended to ``removals`` as (worker id, log time ms)."""
+    that request expiry is evaluated as of the replayed time) and records read by
+    ``reader`` (an EventCodec by default); each worker expiry is appended to
+    ``removals`` as (worker id, log time ms)."""
     return LogFold(
-        Router(router_config(settings), clock=lambda: at_s), decode or EventCodec().decode,
+        Router(router_config(settings), clock=lambda: at_s), reader or EventCodec(),
         authority_from_settings(settings.fold), None if removals is None else lambda w, ms: removals.append((w, ms)),
     )
 
@@ -130,7 +131,6 @@ def rebuild_at(
     snapshot_dir: Path | None = None,
     *,
     progress: bool | None = None,
-    decode: Callable[[bytes], EventBatch] | None = None,
 ) -> Rebuilt:
     """Fold the events topic up to ``at_ms`` (inclusive)."""
     with LogReader(settings, "events") as reader:
@@ -138,7 +138,7 @@ def rebuild_at(
         notes: list[str] = []
         removals: list[tuple[int, int]] = []
         tid = topic_id(settings, reader.topic, timeout=reader.timeout)
-        fold = new_fold(settings, at_ms / 1000, decode, removals)
+        fold = new_fold(settings, at_ms / 1000, removals=removals)
         start = {p: 0 for p in reader.partitions}
         source = "start of the log"
         if snapshot_dir is not None:

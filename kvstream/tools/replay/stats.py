@@ -12,8 +12,8 @@ import heapq
 from collections import Counter, defaultdict
 from typing import Any
 
-from kvstream.events.codec import EventCodec
-from kvstream.events.model import EventBatch, Stored, Removed
+from kvstream.events.codec import PACKED_KINDS, PACKED_TIERS, EventCodec, PackedBatch, PackedRecord
+from kvstream.events.model import Cleared
 from kvstream.replica.fold import EXPIRED
 from kvstream.settings import Settings
 from kvstream.tools.replay.dump import KIND_OF
@@ -21,16 +21,24 @@ from kvstream.tools.replay.reader import Bounds, LogReader, format_time
 from kvstream.tools.replay.rebuild import new_fold
 
 
+class _KeepingReader:
+    """The codec's reader, keeping the batch of the last record it read (so that each
+    record is decoded once, by the fold)."""
+
+    def __init__(self, codec: EventCodec) -> None:
+        self._codec = codec
+        self.last: PackedBatch | None = None
+
+    def read_packed(self, data: bytes) -> PackedRecord:
+        record = self._codec.read_packed(data)
+        self.last = record[1]
+        return record
+
+
 def collect_stats(
     settings: Settings, bounds: Bounds, *, top: int = 10, progress: bool | None = None
 ) -> dict[str, Any]:
-    codec = EventCodec()
-    last: list[EventBatch | None] = [None]
-
-    def decode(value: bytes) -> EventBatch:
-        # Keeps what the fold decoded, so each record is decoded once.
-        last[0] = batch = codec.decode(value)
-        return batch
+    kept = _KeepingReader(EventCodec())
 
     with LogReader(settings, "events") as reader:
         start, end = reader.resolve(bounds)
@@ -40,7 +48,7 @@ def collect_stats(
             "rejections may include stores whose parents were deleted"
             for p in start if reader.low[p] > 0 and start[p] < end[p]
         ]
-        fold = new_fold(settings, (bounds.to_ms or 0) / 1000, decode)
+        fold = new_fold(settings, (bounds.to_ms or 0) / 1000, kept)
         by_kind: Counter[str] = Counter()
         by_tier: Counter[str] = Counter()
         blocks: Counter[str] = Counter()
@@ -58,34 +66,36 @@ def collect_stats(
             records += 1
             first_ms = r.timestamp_ms if first_ms is None else min(first_ms, r.timestamp_ms)
             last_ms = r.timestamp_ms if last_ms is None else max(last_ms, r.timestamp_ms)
-            last[0] = None
+            kept.last = None
             before = Counter(fold.rejections())
             fold.apply(r)
-            batch = last[0]
+            batch = kept.last
             delta = Counter(fold.rejections()) - before
             if delta:
                 rejections.update(delta)
                 if batch is not None:
                     # Expiries come from the partition's clock, not from this batch.
-                    issues[batch.worker_id].update({k: v for k, v in delta.items() if k != EXPIRED})
+                    issues[batch[0]].update({k: v for k, v in delta.items() if k != EXPIRED})
             if r.is_tick:
                 ticks += 1
                 continue
             if batch is None:
                 undecodable += 1
                 continue
-            if not batch.events:
+            worker_id, _, _, events = batch
+            if not events:
                 heartbeats += 1
             n_blocks = 0
-            for ev in batch.events:
-                kind = KIND_OF[type(ev)]
+            for code, _, tier_code, _, _, _, _, n, _ in events:
+                cls, tier = PACKED_KINDS[code], PACKED_TIERS[tier_code].value
+                kind = KIND_OF[cls]
                 by_kind[kind] += 1
-                by_tier[ev.tier.value] += 1
-                per_worker[batch.worker_id][f"{ev.tier.value}/{kind}"] += 1
-                if isinstance(ev, Stored | Removed):
-                    n_blocks += len(ev.block_hashes)
-                    blocks[kind] += len(ev.block_hashes)
-            item = (len(batch.events), n_blocks, r.timestamp_ms, r.partition, r.offset, batch.worker_id)
+                by_tier[tier] += 1
+                per_worker[worker_id][f"{tier}/{kind}"] += 1
+                if cls is not Cleared:
+                    n_blocks += n
+                    blocks[kind] += n
+            item = (len(events), n_blocks, r.timestamp_ms, r.partition, r.offset, worker_id)
             if len(largest) < top:
                 heapq.heappush(largest, item)
             elif top:

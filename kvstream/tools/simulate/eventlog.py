@@ -86,7 +86,7 @@ class MemoryEventLog:
             raise EventLogError(f"partitions must be positive, got {partitions}")
         self.router = Router(router_config, clock=clock, rng=random.Random(seed))
         self._codec = EventCodec()
-        self._fold = LogFold(self.router, self._codec.decode)
+        self._fold = LogFold(self.router, self._codec)
         self._partitions: list[list[tuple[int, bytes]]] = [[] for _ in range(partitions)]
         self._writers: dict[int, EventBatcher] = {}
         #: Batches cut per worker since the last sync.
