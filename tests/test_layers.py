@@ -133,18 +133,9 @@ def test_the_listed_edges_form_no_circle() -> None:
         visit(node, ())
 
 
-#: Circles between modules of one package that are still to be cut, each with its reason:
-#: the relay reads the gateway's fields (its seam, a Protocol, is missing), and the fold
-#: and the record reader share the tick header's name.
-KNOWN_CIRCLES = {
-    frozenset({"kvstream.gateway.app", "kvstream.gateway.relay"}),
-    frozenset({"kvstream.replica.fold", "kvstream.replica.record"}),
-}
-
-
 def test_no_circle_between_modules() -> None:
     """Within a package too: no module imports one that imports it back (directly or
-    through others), but for the known circles above."""
+    through others)."""
     paths = {module_name(p): p for p in ROOT.rglob("*.py") if "_native_src" not in p.parts}
 
     def resolve(name: str) -> str | None:
@@ -189,5 +180,4 @@ def test_no_circle_between_modules() -> None:
     for mod in sorted(graph):
         if mod not in index:
             connect(mod)
-    new = circles - KNOWN_CIRCLES
-    assert not new, f"circles between modules: {[sorted(c) for c in new]}"
+    assert not circles, f"circles between modules: {[sorted(c) for c in circles]}"

@@ -17,6 +17,9 @@ U64_MAX = (1 << 64) - 1
 #: sent that could not be applied (e.g. ``block_size_mismatch``), for /v1/workers.
 #: Advisory, outside the fold: only batches sent while such counts exist carry it.
 STATUS_HEADER = "kvstream-worker-status"
+#: Header that marks a log-clock tick: a record with no events that only advances its
+#: partition's log time (replicas publish them to idle partitions; kvstream.replica.ticks).
+TICK_HEADER = "kvstream-tick"
 
 
 class Tier(str, Enum):

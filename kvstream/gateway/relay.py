@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -35,7 +35,13 @@ from kvstream.router.errors import NoEligibleWorkerError
 from kvstream.router.index import WorkerKey
 
 if TYPE_CHECKING:
-    from kvstream.gateway.app import Gateway
+    import anyio
+
+    from kvstream.gateway.health import WorkerHealth
+    from kvstream.gateway.metrics import GatewayMetrics
+    from kvstream.gateway.options import GatewayOptions
+    from kvstream.gateway.upstream import UpstreamPool
+    from kvstream.replica.replica import Replica
 
 log = get_logger(__name__)
 
@@ -168,12 +174,36 @@ class _Upstream(Exception):
         self.reason, self.error, self.answer = reason, error, answer
 
 
+class Relaying(Protocol):
+    """What an exchange needs of the gateway that relays it (kvstream.gateway.app.Gateway):
+    the seam that keeps the relay from importing the app that composes it."""
+
+    replica: Replica
+    options: GatewayOptions
+    health: WorkerHealth
+    metrics: GatewayMetrics
+
+    @property
+    def upstream(self) -> UpstreamPool: ...
+
+    @property
+    def limiter(self) -> anyio.CapacityLimiter: ...
+
+    def choosable(self, endpoints: Sequence[WorkerEndpoint], tried: Collection[int], model: str) -> list[WorkerEndpoint]: ...
+
+    def engage(self, worker_id: int) -> None: ...
+
+    def release(self, worker_id: int) -> None: ...
+
+    def finished(self, ex: Exchange) -> None: ...
+
+
 class Exchange:
     """The ASGI response of one relayed request."""
 
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: Relaying,
         req: OpenAIRequest,
         raw: bytes,
         headers: Sequence[tuple[bytes, bytes]],

@@ -52,10 +52,6 @@ if TYPE_CHECKING:
 
 _log = get_logger(__name__)
 
-#: Header that marks a log-clock tick: a record with no events that only advances its
-#: partition's log time (replicas publish them to idle partitions).
-TICK_HEADER = "kvstream-tick"
-
 # Counter reasons of the fold (the index adds its own: kvstream.router.index.REASONS).
 DECODE_ERROR = "record_undecodable"
 STALE_EPOCH = "batch_stale_epoch"

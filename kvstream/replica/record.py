@@ -19,8 +19,7 @@ from typing import Any
 
 import orjson
 
-from kvstream.events.model import STATUS_HEADER
-from kvstream.replica.fold import TICK_HEADER
+from kvstream.events.model import STATUS_HEADER, TICK_HEADER
 
 #: Largest worker-status header read (bytes): a worker's engine issues are a few short
 #: strings; this also bounds nesting far below any parser's recursion limit.

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from kvstream.events.codec import AvroCodec
 from kvstream.events.errors import DecodeError
-from kvstream.replica.fold import TICK_HEADER, LogFold
+from kvstream.events.model import TICK_HEADER
+from kvstream.replica.fold import LogFold
 
 TICK = "kvstream.events.Tick"
 #: u64 max, big-endian: -1 to a LongDeserializer. The header, not the key, marks a tick

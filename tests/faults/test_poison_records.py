@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from kvstream.events.model import STATUS_HEADER
 from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import KEY_MISMATCH
-from kvstream.replica.fold import BAD_HEADER, TICK_HEADER
+from kvstream.events.model import TICK_HEADER
+from kvstream.replica.fold import BAD_HEADER
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
 from kvstream.settings import Settings

@@ -20,7 +20,8 @@ from kvstream.events.model import Cleared, EventBatch, Stored, Tier
 from kvstream.events.wire import worker_key
 from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import WORKER_FULL
-from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH, TICK_HEADER
+from kvstream.events.model import TICK_HEADER
+from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH
 from kvstream.settings import Settings
 from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http
 from tests.faults.test_http_limits import (
