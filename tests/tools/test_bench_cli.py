@@ -93,12 +93,16 @@ def test_dynamo_side_by_side() -> None:
 
 @pytest.mark.slow
 def test_publish_bench(kafka_bootstrap: str) -> None:
-    r = run(["publish", "--json", "--bootstrap", kafka_bootstrap, "--messages", "300"])
-    assert r["block_events"] >= 300 * 16
+    r = run(["publish", "--json", "--bootstrap", kafka_bootstrap, "--messages", "3000"])
+    assert r["block_events"] >= 3000 * 16
     # The whole bridge → consolidator → publisher path against a raw produce of the same
-    # pre-encoded messages: slower (0.03-0.25 measured), and the ratio is of the two.
+    # pre-encoded messages: slower (0.09-0.32 measured), and the ratio is of the two. At
+    # 300 messages both were two Kafka messages, a few ms of broker round trip each, and
+    # one hiccup of the machine made the baseline the slower (CI, stop 31: 1.17); at 3,000
+    # ours is ~0.14 s of parsing, hashing and encoding that the baseline does not do.
     assert r["ratio_to_baseline"] == pytest.approx(r["blocks_per_s"] / r["baseline_blocks_per_s"], rel=0.02, abs=1e-3)
     assert 0 < r["ratio_to_baseline"] < 1, r
+    assert r["cpu_seconds"] > r["baseline_cpu_seconds"], r  # ~15-30x measured
     # Random hashes do not compress: at least 8 bytes (a removed block) per block event.
     assert r["wire_bytes_per_block_event"] >= 8 and r["baseline_wire_bytes_per_block_event"] >= 8
     assert r["records_per_produce_request"] >= 1
