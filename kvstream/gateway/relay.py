@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,8 +68,9 @@ _JSON = (b"content-type", b"application/json")
 #: disconnect: a task per request costs more than relaying a short one, and a client
 #: that left sooner is seen then.
 _WATCH_AFTER_S = 0.02
-#: Bytes of a stream's end kept for its ``usage`` (the last event before ``[DONE]``).
-_TAIL = 64 * 1024
+#: Bytes of a stream's end kept for its ``usage`` (the last event before ``[DONE]``: under
+#: 1 KiB from vLLM and SGLang).
+_TAIL = 16 * 1024
 
 
 def upstream_headers(
@@ -116,10 +118,6 @@ def _has_content(event: bytes) -> bool:
     return False
 
 
-def _events(data: bytes) -> list[bytes]:
-    return data.replace(b"\r\n", b"\n").split(b"\n\n")
-
-
 def _content_in(data: bytes) -> bytes | None:
     """None when one of the whole events of ``data`` carries content, else the part
     after its last whole event (events are read one by one up to the first with
@@ -135,19 +133,44 @@ def _content_in(data: bytes) -> bytes | None:
 
 
 def stream_usage(tail: bytes) -> dict | None:
-    """The ``usage`` of a stream's last bytes (``stream_options.include_usage``); the
-    first event of ``tail`` may be cut (it is skipped)."""
-    if b'"usage"' not in tail:
-        return None
-    for event in reversed(_events(tail)):
-        if event.startswith(b"data:") and b'"usage"' in event:
+    """The ``usage`` of a stream's last bytes (``stream_options.include_usage``): that of
+    the last event naming one, searched from the end (a stream's is its last event before
+    ``[DONE]``: one search of the last bytes, however long the stream); the first event
+    of ``tail`` may be cut (then it does not parse)."""
+    end = len(tail)
+    while (at := tail.rfind(b'"usage"', 0, end)) >= 0:
+        # The event's line starts after the last newline before it (JSON holds none raw).
+        line = tail.rfind(b"\n", 0, at) + 1
+        if tail.startswith(b"data:", line):
+            stop = tail.find(b"\n", at)
             try:
-                usage = orjson.loads(event[5:].strip()).get("usage")
-            except (orjson.JSONDecodeError, AttributeError):
-                continue
+                usage = orjson.loads(tail[line + 5:stop if stop >= 0 else len(tail)]).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):  # the cut first event, or not an object
+                usage = None
             if isinstance(usage, dict):
                 return usage
+        end = line
     return None
+
+
+class _Tail:
+    """A stream's last ``limit`` bytes or a little more, kept as the chunks that came (a
+    copy of the tail per chunk would cost a stream of small events its length squared)."""
+
+    __slots__ = ("_chunks", "_size", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self._chunks: deque[bytes] = deque()
+        self._size, self.limit = 0, limit
+
+    def add(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        while self._size - len(self._chunks[0]) >= self.limit:
+            self._size -= len(self._chunks.popleft())
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self._chunks)
 
 
 def body_usage(body: bytes) -> dict | None:
@@ -405,15 +428,15 @@ class Exchange:
         await self._start(send, 200, self._relayed(resp), None)
         itl = self.gw.metrics.of(self.gw.metrics.itl, self.req.model)
         pending: bytes | None = b""  # the events not yet known to hold content (None: found)
-        tail = b""  # the stream's last bytes, for its usage
+        tail = _Tail(_TAIL)  # the stream's last bytes, for its usage
         seen = 0.0
         try:
             while chunk := await resp.next():
                 now = time.perf_counter()
-                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+                tail.add(chunk)
                 if ended := resp.ended:  # the worker's last bytes end the client's answer in the same write
                     self.response = None
-                    self.usage = stream_usage(tail)
+                    self.usage = stream_usage(bytes(tail))
                     self.finished = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if pending is not None:
@@ -435,6 +458,6 @@ class Exchange:
                         "more_body": True})
         else:
             self.response = None
-        self.usage = stream_usage(tail)
+        self.usage = stream_usage(bytes(tail))
         self.finished = True
         await send({"type": "http.response.body", "body": b""})

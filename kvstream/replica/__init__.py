@@ -16,6 +16,7 @@ snapshots the fold to RocksDB, restarts from it, shares load, serves HTTP.
   at a time without stalling ingest), ``peer`` (bootstrap from a peer's snapshot),
   ``snapshot_cli`` (``kvstream snapshot``).
 - Serving: ``service`` (the HTTP API), ``route_body`` (route request fields),
+  ``loop_lock`` (the router lock as the event loop takes it),
   ``request_ids``, ``auth`` (bearer tokens by scope), ``http_limits``, ``metrics``.
 - ``options`` (the ``[replica]`` settings' definitions), ``cli`` (the settings as the
   parts' options, and the HTTP server, for ``kvstream router``: kvstream.serve, which

@@ -153,7 +153,9 @@ class Ingest:
                         fold_in_slices(self._lock, msgs, self._apply)
                     finally:
                         self._outbox.send()
-                if self._snapshotter is not None:
+                # The lock only when there is work: every request routed on the event loop
+                # while this thread holds it (waiting for the GIL, even) goes to a thread.
+                if self._snapshotter is not None and self._snapshotter.pending():
                     with self._lock:
                         self._snapshotter.step()
                 self._housekeeping(committer)
@@ -222,8 +224,9 @@ class Ingest:
                 due = self._resync.unhealed(self._positions(), self._fold.workers)
             for resync in due:
                 self._resync.request(resync)
-        with self._lock:
-            self._ticker.step(self._fold)
+        if self._ticker.due():
+            with self._lock:
+                self._ticker.step(self._fold)
         self._outbox.send()
         committer.step(self._positions)
         self._producer.poll(0)

@@ -41,6 +41,7 @@ from kvstream.replica.fold import LogFold
 from kvstream.replica.ingest import Ingest, Partitions
 from kvstream.replica.lag import LagWatch, iso
 from kvstream.replica.load import LoadSharing
+from kvstream.replica.loop_lock import LoopLock
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.recovery import PeerSource, recover
@@ -90,6 +91,8 @@ class Replica:
         self.admission = admission_from_settings(settings)
         self.metrics = ReplicaMetrics()
         self.lock = threading.RLock()
+        #: The lock as the event loop takes it (the gateway, POST /v1/route).
+        self.loop_lock = LoopLock(self.lock)
         self.events_topic = settings.topics.name("events")
         self.store: SnapshotStore | None = None
         self._store_note: str | None = None

@@ -282,15 +282,9 @@ def create_app(
             parsed = await anyio.to_thread.run_sync(json_route, raw, limiter=route_threads())
         else:
             parsed = await parse_in_child(raw)
-        # Inline only while the replica's lock is free: when the fold or a snapshot
-        # holds it, a routing thread waits for it, not the event loop.
-        if small and replica.lock.acquire(blocking=False):
-            try:
-                answer = decide(parsed)
-            finally:
-                replica.lock.release()
-        else:
-            answer = await anyio.to_thread.run_sync(decide, parsed, limiter=route_threads())
+        # Inline while the replica's lock is free or held briefly: when a snapshot holds
+        # it, a routing thread waits for it, not the event loop.
+        answer = await replica.loop_lock.run(decide, parsed, inline=small, limiter=route_threads())
         return Response(answer, media_type="application/json")
 
     app.router.add_route("/v1/route", route, methods=["POST"], include_in_schema=False)

@@ -99,6 +99,11 @@ class Snapshotter:
             return True
         return bool(self.every_s) and self._records > 0 and time.monotonic() - self._last_commit >= self.every_s
 
+    def pending(self) -> bool:
+        """Whether :meth:`step` has anything to do: a snapshot in progress or due (asked
+        by the ingest thread, which owns this state, without the fold's lock)."""
+        return self._meta is not None or self.due()
+
     def step(self) -> None:
         """Capture one partition of the snapshot in progress (starting one when due)."""
         if self._meta is None:

@@ -96,6 +96,11 @@ class Ticker:
         self._last_check = float("-inf")
         self.written = 0
 
+    def due(self) -> bool:
+        """Whether :meth:`step` has anything to do now (asked without the fold's lock, so
+        that the ingest loop takes the lock only when it must)."""
+        return time.monotonic() - self._last_check >= self.interval_s
+
     def step(self, fold: LogFold) -> int:
         """At most every ``interval_s`` (so a tick has that long to land before the
         same deadline is ticked again): tick the partitions that need it. Call with the
