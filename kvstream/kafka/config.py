@@ -43,7 +43,7 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     # does: the hashes are random, only the framing compresses). Fewer bytes on the wire
     # per block event (a fifth for one-block events) for a few ms more event latency;
     # 20-50 ms saves a little more and costs as much more latency. The replicas' own
-    # producer keeps a short linger (kvstream.active).
+    # producer (load ops on kvstream.active) lingers as long: kvstream.replica.replica.
     "compression.type": "zstd",
     "linger.ms": 10,
     "batch.size": 1024 * 1024,
