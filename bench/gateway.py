@@ -14,7 +14,8 @@ bench.peers). Every front stands in front of the same backends
 2. open loop, every front (direct included) at the same rate: half the slowest front's
    peak of that kind (``--rate`` overrides the non-streaming one), so that no front
    queues and the latency it adds is its own work: p50/p99 counted from each request's
-   due time. ``added_*``: the front's minus direct's, same run.
+   due time, ``--open-loop-repeats`` times with the fronts in turn (the median of the
+   runs, each run's figure beside it). ``added_*``: the front's minus direct's, same run.
 
 The front's and the backends' CPU per request come from their process groups during the
 closed loops. On a small shared machine the load generator, the front and the backends
@@ -200,6 +201,20 @@ def open_loop(
     return out
 
 
+def median_of_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One front's open loops repeated: the median of each latency and rate, and every
+    run's p50/p99 under ``*_runs`` (a p99 of a few thousand requests moves with any
+    hiccup of a shared machine; the median of runs interleaved with the other fronts'
+    does not favour one front)."""
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        out[key] = values[0] if key.endswith("_rate_per_s") else round(float(np.median(values)))
+        if len(runs) > 1 and key.endswith(("_p50_us", "_p99_us")):
+            out[key + "_runs"] = values
+    return out
+
+
 def _loadavg() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
@@ -223,6 +238,8 @@ def _loadavg() -> str:
               help="Keep-alive connections of the closed loop; several (comma-separated): the best is the peak.")
 @click.option("--open-loop-connections", default=64, show_default=True, help="oha's connections (at most) in the open loop.")
 @click.option("--duration", default=5.0, show_default=True, help="Seconds of each load run.")
+@click.option("--open-loop-repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Open loops per front, the fronts in turn; latencies are the median of the runs.")
 @click.option("--rate", type=float, help="Open-loop rate of non-streaming requests [half the slowest front's peak].")
 @click.option("--sglang-policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware", show_default=True)
 @click.option("--vllm-policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware", show_default=True)
@@ -235,8 +252,8 @@ def _loadavg() -> str:
 @bootstrap_option
 def gateway_bench(
     as_json: bool, fronts: str, n_backends: int, tokens: int, n_prompts: int, prompt_chars: int, connections: str,
-    open_loop_connections: int, duration: float, rate: float | None, sglang_policy: str, vllm_policy: str,
-    kvstream_tokenize: str, ready_timeout: float, bootstrap: str | None,
+    open_loop_connections: int, duration: float, open_loop_repeats: int, rate: float | None, sglang_policy: str,
+    vllm_policy: str, kvstream_tokenize: str, ready_timeout: float, bootstrap: str | None,
 ) -> None:
     """Added latency and throughput of kvstream's gateway, sglang-router and vllm-router
     against calling the backend directly, in the same run with the same load generator."""
@@ -281,9 +298,13 @@ def gateway_bench(
         rates = {k: min(r[f"{k}_requests_per_s"] for r in results.values()) / 2 for k in KINDS}
         if rate is not None:
             rates["json"] = rate
-        for front, (url, _proc) in started.items():
-            click.echo(f"open loop: {front}...", err=True)
-            results[front].update(open_loop(url, bodies, rates, open_loop_connections, duration))
+        runs: dict[str, list[dict[str, Any]]] = {front: [] for front in started}
+        for i in range(open_loop_repeats):  # the fronts in turn, each round
+            for front, (url, _proc) in started.items():
+                click.echo(f"open loop {i + 1}/{open_loop_repeats}: {front}...", err=True)
+                runs[front].append(open_loop(url, bodies, rates, open_loop_connections, duration))
+        for front in started:
+            results[front].update(median_of_runs(runs[front]))
     direct = results["direct"]
     for front, r in results.items():
         if front != "direct":
@@ -320,6 +341,7 @@ def gateway_bench(
         "tokens": tokens,
         "prompt_chars": prompt_chars,
         "duration_s": duration,
+        "open_loop_repeats": open_loop_repeats,
         "connections": counts,
         "load_generator": f"oha {OHA_VERSION}",
         "peer_versions": peer_versions(),

@@ -29,9 +29,10 @@ from kvstream.tools.procs import free_port, port_taken
 pytestmark = [pytest.mark.slow]
 
 #: kvstream's streams per second over sglang-router's at the kvstream front test's size
-#: (16 connections, 64 events), below which it fails: 0.50 measured on the shared 2-core
-#: machine, half of that kept as the margin for its load.
-STREAM_RATIO_FLOOR = 0.25
+#: (16 connections, 64 events), below which it fails: issue 22's target. 4.3-4.8 measured
+#: on the shared 2-core machine (0.50 before the ninth session's changes; sglang-router's
+#: streams at 16 connections wait on the load generator's delayed ACKs).
+STREAM_RATIO_FLOOR = 1.0
 
 CASES = [
     ("sglang-router", "cache_aware"),
@@ -197,7 +198,8 @@ def _bench(*args: str) -> dict:
 @pytest.mark.timeout(1800)
 def test_gateway_bench_measures_the_peers_against_the_direct_baseline() -> None:
     r = _bench("--fronts", "direct,sglang-router,vllm-router", "--duration", "1", "--tokens", "16",
-               "--prompts", "4", "--prompt-chars", "200", "--connections", "2,4", "--open-loop-connections", "8")
+               "--prompts", "4", "--prompt-chars", "200", "--connections", "2,4", "--open-loop-connections", "8",
+               "--open-loop-repeats", "2")
     for key in ("added_p50_us", "added_p99_us", "json_requests_per_s", "stream_requests_per_s",
                 "sglang_router_stream_requests_per_s", "vllm_router_stream_requests_per_s"):
         assert key in r, key
@@ -219,6 +221,9 @@ def test_gateway_bench_measures_the_peers_against_the_direct_baseline() -> None:
             assert f[f"{kind}_open_loop_rate_per_s"] == direct[f"{kind}_open_loop_rate_per_s"]
             for q in ("p50", "p99"):
                 assert f[f"added_{tag}{q}_us"] == f[f"{kind}_{q}_us"] - direct[f"{kind}_{q}_us"]
+                # The median of the two open loops, each run's figure beside it.
+                runs = f[f"{kind}_{q}_us_runs"]
+                assert len(runs) == 2 and f[f"{kind}_{q}_us"] == round(sum(runs) / 2)
             assert f[f"{kind}_p50_us"] <= f[f"{kind}_p99_us"]
             # A front adds a hop in front of the same backend on the same cores: it
             # cannot serve clearly more than the backend alone.
