@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow]
 
 #: kvstream's streams per second over sglang-router's at the kvstream front test's size
 #: (16 connections, 64 events), below which it fails: issue 22's target. 4.3-4.8 measured
-#: on the shared 2-core machine (0.50 before the ninth session's changes; sglang-router's
+#: on the shared 2-core machine (0.50 before the eighth session's changes; sglang-router's
 #: streams at 16 connections wait on the load generator's delayed ACKs).
 STREAM_RATIO_FLOOR = 1.0
 
