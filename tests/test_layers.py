@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
     "emulator.options": {"emulator.errors", "engine_model"},
     "emulator": {"engine_model", "logs"},
     # 5: the OpenAI gateway, on the replica's facade
-    "gateway": {"events", "logs", "replica", "router"},
+    "gateway": {"_native", "events", "logs", "replica", "router"},
     # 6: what composes them: `kvstream router`, the tools, the `kvstream` command
     "serve": {"gateway", "logs", "replica", "settings"},
     "tools": {"engine_model", "events", "hashing", "kafka", "logs", "replica", "router", "settings", "worker"},

@@ -45,6 +45,7 @@ from kvstream.logs import get_logger
 from kvstream.replica import request_ids
 from kvstream.replica.auth import Scope, Tokens
 from kvstream.replica.replica import Replica
+from kvstream.router.core import PromptTokens
 
 log = get_logger(__name__)
 
@@ -188,7 +189,7 @@ class Gateway:
                 raise unavailable("the replica is not ready (catching up with the log)", self.options.retry_after_s)
             up = self.choosable(endpoints, (), req.model)
             if endpoint is Endpoint.EMBEDDINGS:
-                ids: list[int] = []
+                ids: PromptTokens = []
             else:
                 # The least loaded first (the one asked, when engines tokenize); the
                 # others in case it cannot answer.

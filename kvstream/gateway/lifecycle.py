@@ -20,6 +20,7 @@ import anyio
 from kvstream.replica import request_ids
 from kvstream.replica.replica import Replica
 from kvstream.router.active import AddRequest
+from kvstream.router.core import PromptTokens
 from kvstream.router.errors import RouterError
 from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision
@@ -49,7 +50,7 @@ class RequestLife:
         #: The add op, until it is on its way to the peers.
         self.unshared: AddRequest | None = None
 
-    async def route(self, ids: list[int], lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
+    async def route(self, ids: PromptTokens, lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
         """Choose among ``candidates`` and, when ``track``, add the request's load. The
         peers hear of it as soon as this task yields (once the request is on its way to
         the worker, not before)."""
@@ -69,7 +70,7 @@ class RequestLife:
         if op is not None:
             self.replica.share(op)
 
-    def _route(self, ids: list[int], lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
+    def _route(self, ids: PromptTokens, lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
         return self.replica.route(ids, lora, self.request_id, not track, candidates=candidates, share=False)
 
     async def prefill_done(self) -> None:

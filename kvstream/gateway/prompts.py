@@ -1,16 +1,19 @@
 """The token ids a request is routed by: ids the client sent are used as given; text is
 tokenized by the model's local tokenizer (kvstream.gateway.seams.PromptTokenizer, off the
 event loop when long), or, with ``tokenize = "engine"``, by the ``/tokenize`` endpoint of
-one candidate engine (vLLM's; one worker asked, never all)."""
+one candidate engine (vLLM's; one worker asked, never all: its answer's ids are read by
+the compiled core straight into packed u32s, which routing reads as they are)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
-import msgspec
+import numpy as np
 import orjson
+
+from kvstream import _native
 
 from kvstream.gateway.errors import (
     ApiError,
@@ -19,24 +22,15 @@ from kvstream.gateway.errors import (
     upstream_failed,
 )
 from kvstream.gateway.options import GatewayOptions
-from kvstream.gateway.request_body import TOKEN_END, Endpoint, OpenAIRequest
+from kvstream.gateway.request_body import Endpoint, OpenAIRequest
 from kvstream.gateway.seams import PromptTokenizer, WorkerEndpoint
 from kvstream.gateway.upstream import UpstreamPool
+from kvstream.router.core import PromptTokens
 
 #: Fields of a chat body that change its rendering (vLLM's TokenizeChatRequest takes them).
 _CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
                 "chat_template", "chat_template_kwargs", "add_special_tokens")
 _JSON = (b"content-type", b"application/json")
-
-
-class _Tokenized(msgspec.Struct):
-    """What the gateway reads of a ``/tokenize`` answer (checked while it is decoded:
-    no walk over the ids in Python)."""
-
-    tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_END)]]
-
-
-_TOKENIZED = msgspec.json.Decoder(_Tokenized)
 
 
 class _EngineDown(Exception):
@@ -64,8 +58,9 @@ class PromptIds:
 
     async def ids(
         self, req: OpenAIRequest, size: int, endpoints: Sequence[WorkerEndpoint], upstream: UpstreamPool
-    ) -> list[int]:
-        """The request's token ids (``size``: the body's bytes, how long tokenizing may take)."""
+    ) -> PromptTokens:
+        """The request's token ids (``size``: the body's bytes, how long tokenizing may take):
+        a list, or a uint32 array from an engine."""
         given = self.given(req)
         if given is not None:
             return given
@@ -106,7 +101,7 @@ class PromptIds:
                     return self.tokenizers.get(ep.models[0])
         return found
 
-    async def _engine_ids(self, req: OpenAIRequest, ep: WorkerEndpoint, upstream: UpstreamPool) -> list[int]:
+    async def _engine_ids(self, req: OpenAIRequest, ep: WorkerEndpoint, upstream: UpstreamPool) -> np.ndarray:
         body: dict[str, Any] = {"model": req.model}
         if req.endpoint is Endpoint.CHAT:
             body |= {k: req.body[k] for k in _CHAT_FIELDS if k in req.body}
@@ -128,6 +123,9 @@ class PromptIds:
         if resp.status != 200:  # the engine refuses this prompt: no other would take it
             raise upstream_failed(resp.status, f"worker {ep.worker_id}'s /tokenize answered {resp.status}: {answer[:300]!r}")
         try:
-            return _TOKENIZED.decode(answer).tokens
-        except msgspec.DecodeError:  # not JSON, or no token ids under "tokens"
-            raise upstream_failed(502, f"worker {ep.worker_id}'s /tokenize gave no token ids: {answer[:300]!r}") from None
+            packed = _native.tokenize_answer_ids(answer)
+        except ValueError as exc:  # not JSON, no "tokens", or an id outside [0, 2**32)
+            raise upstream_failed(
+                502, f"worker {ep.worker_id}'s /tokenize gave no token ids ({exc}): {answer[:300]!r}"
+            ) from None
+        return np.frombuffer(packed, dtype=np.uint32)

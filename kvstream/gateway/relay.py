@@ -32,6 +32,7 @@ from kvstream.gateway.request_body import Endpoint, OpenAIRequest
 from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.gateway.upstream import Response
 from kvstream.logs import get_logger
+from kvstream.router.core import PromptTokens
 from kvstream.router.errors import NoEligibleWorkerError
 from kvstream.router.index import WorkerKey
 
@@ -231,7 +232,7 @@ class Exchange:
         raw: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         request_id: str,
-        ids: list[int],
+        ids: PromptTokens,
         lora: str | None,
         endpoints: Sequence[WorkerEndpoint],
         started: float,

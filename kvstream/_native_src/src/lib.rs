@@ -16,6 +16,7 @@ mod event_encode;
 mod index;
 mod route;
 mod table;
+mod tokens_json;
 
 /// Seed of the chained sequence hash (and of local hashes without LoRA).
 const CHAIN_SEED: u64 = 1337;
@@ -156,5 +157,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<avro_check::AvroLayout>()?;
     m.add_function(wrap_pyfunction!(event_encode::encode_event_batch, m)?)?;
     m.add_class::<event_decode::EventBatchReader>()?;
+    m.add_function(wrap_pyfunction!(tokens_json::tokenize_answer_ids, m)?)?;
     Ok(())
 }
