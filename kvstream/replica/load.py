@@ -41,10 +41,6 @@ log = get_logger(__name__)
 INSTANCE_HEADER = "kvstream-instance"
 #: On an active op that a replica published for the peer that owns the request.
 SENDER_HEADER = "kvstream-sender"
-#: The peers' ops fetched in batches: every op of this replica comes back too (three per
-#: relayed request), and a fetch answered at each one cost the broker and librdkafka
-#: more than the ops (kvstream.replica.replica: the producer's linger, measured with it).
-PEER_FETCH = {"fetch.wait.max.ms": 10, "fetch.min.bytes": 64 * 1024}
 
 
 class LoadSharing:
@@ -79,7 +75,7 @@ class LoadSharing:
         self._peer_owners: dict[str, set[str]] = {}
 
     def run(self) -> None:
-        consumer = Consumer(consumer_config(self._settings, **{"auto.offset.reset": "latest", **PEER_FETCH}))
+        consumer = Consumer(consumer_config(self._settings, **{"auto.offset.reset": "latest"}))
         try:
             parts = topic_partitions(consumer, self._topic, 30)
             if not parts:
