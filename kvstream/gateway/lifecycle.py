@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import anyio
 
@@ -25,16 +24,8 @@ from kvstream.router.errors import RouterError
 from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision
 
-T = TypeVar("T")
-
 #: Prompts longer than this (tokens) are routed in a thread: hashing them takes a while.
 INLINE_ROUTE_TOKENS = 32_768
-
-
-async def with_replica(replica: Replica, limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args, inline: bool = True) -> T:
-    """``fn(*args)`` under the replica's lock: on the loop when it can be
-    (kvstream.replica.loop_lock), else in a thread of ``limiter``."""
-    return await replica.loop_lock.run(fn, *args, inline=inline, limiter=limiter)
 
 
 class RequestLife:
@@ -55,8 +46,8 @@ class RequestLife:
         peers hear of it as soon as this task yields (once the request is on its way to
         the worker, not before)."""
         inline = len(ids) <= INLINE_ROUTE_TOKENS
-        decision = await with_replica(
-            self.replica, self.limiter, self._route, ids, lora, candidates, track, inline=inline
+        decision = await self.replica.loop_lock.run(
+            self._route, ids, lora, candidates, track, inline=inline, limiter=self.limiter
         )
         self.added, self.prefilled = track, False
         if decision.op is not None:
@@ -87,6 +78,6 @@ class RequestLife:
 
     async def _op(self, op: Callable[[str], None]) -> None:
         try:
-            await with_replica(self.replica, self.limiter, op, self.request_id)
+            await self.replica.loop_lock.run(op, self.request_id, limiter=self.limiter)
         except RouterError:
             pass  # expired meanwhile (a request older than the TTL): nothing left to undo

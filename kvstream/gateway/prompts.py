@@ -14,7 +14,6 @@ import numpy as np
 import orjson
 
 from kvstream import _native
-
 from kvstream.gateway.errors import (
     ApiError,
     UpstreamError,

@@ -153,8 +153,8 @@ class Ingest:
                         fold_in_slices(self._lock, msgs, self._apply)
                     finally:
                         self._outbox.send()
-                # The lock only when there is work: every request routed on the event loop
-                # while this thread holds it (waiting for the GIL, even) goes to a thread.
+                # The lock only when there is work: a route on the event loop waits for
+                # it meanwhile (kvstream.replica.loop_lock).
                 if self._snapshotter is not None and self._snapshotter.pending():
                     with self._lock:
                         self._snapshotter.step()

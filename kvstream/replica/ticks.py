@@ -105,10 +105,9 @@ class Ticker:
         """At most every ``interval_s`` (so a tick has that long to land before the
         same deadline is ticked again): tick the partitions that need it. Call with the
         fold's lock held; returns how many ticks were written."""
-        now = time.monotonic()
-        if now - self._last_check < self.interval_s:
+        if not self.due():
             return 0
-        self._last_check = now
+        self._last_check = time.monotonic()
         due = sorted(due_partitions(fold, int(self._clock() * 1000)).items())
         for partition, deadline in due:
             self._produce(partition, TICK_KEY, self._codec.encode(Tick(self.replica_id, deadline)), TICK_HEADERS)
