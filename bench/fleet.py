@@ -1,38 +1,55 @@
 """``kvstream bench fleet``: kvstream head to head with the peer routers, in front of the
-same emulated fleet, on the same trace slice (issue 23 item 3).
+same emulated fleet, on the same traces (issue 23 item 3, issue 33 item 4).
 
-Every router gets a fresh set of engines (cold caches) for each load and the same
+Every router gets a fresh set of engines (cold caches) for each run and the same
 requests, replayed by the same replayer (``--replayer``, bench.replayers): ``aiperf``, a
 third-party one installed by the bench into its own cached venv, replaying the slice as
 a Mooncake trace on its fixed schedule with prompts it makes from the hash ids; or
-``sdk``, kvstream's own asyncio ``openai``-SDK replayer. The engines
-run ``--engine-speed`` times faster than real time; a load ``L`` of ``--loads`` replays
-the trace ``L`` × that fast, so ``L`` is the trace's rate relative to real time. Routers: ``kvstream-kv``,
-``kvstream-ttft`` (one replica each), ``kvstream-ttft-4-replicas`` (four replicas, the
-replayer sending to them in turn: a plain round-robin balancer), ``vllm-router-kv_aware``
-(fed every engine's ZMQ KV events), ``vllm-router-cache_aware``,
-``sglang-router-cache_aware`` (pinned, bench.peers) and ``round_robin``
-(the replayer sending to the engines in turn). Prompts are text for every router:
-sglang-router refuses token-id prompts (422, its request schema); the sdk replayer's
-words are one token each at the engines (kvstream.tools.fleet.Scale.text), aiperf's
-text is measured in the engines' tokenizer: the same lengths and shared prefixes.
+``sdk``, kvstream's own asyncio ``openai``-SDK replayer. The engines run
+``--engine-speed`` times faster than real time; a load ``L`` of ``--loads`` replays the
+trace ``L`` × that fast, so ``L`` is the trace's rate relative to real time.
 
-``--kill-engine`` adds the scenario ``kvstream-kv-engine-killed``: engine 1 is killed
-with SIGKILL once the engines have taken half of the requests (their own counters,
-whichever the replayer); the requests it held fail (each
-counted, with its error), the replicas drop it once its lease runs out, and no client
-hangs (every request ends within the replayer's timeout).
+Traces (``--traces``): ``conversation``, the Mooncake conversation trace (``--trace``
+gives another file), and the generated shapes of kvstream.tools.simulate.shapes
+(``agentic``, ``system-prompts``, ``long-docs``), each played the same way.
+
+Routers, by name: ``kvstream-kv`` and ``kvstream-ttft`` (the policy); ``-4-replicas``
+after any router's name runs four of its processes, the replayer sending to them in turn
+(a plain round-robin balancer), for the peers as for kvstream; ``-approx`` after a
+kvstream router runs it with no bridge at all (the engines given in
+``[[gateway.workers]]``: routed by the blocks it routed there alone, approximate mode);
+``vllm-router-kv_aware`` (fed every engine's ZMQ KV events), ``vllm-router-cache_aware``,
+``sglang-router-cache_aware`` (pinned, bench.peers) and ``round_robin`` (the replayer
+sending to the engines in turn). Prompts are text for every router.
+
+Scenarios beside the plain runs, at the heaviest load:
+- ``--restart``: for every router, ``<router>-restarted``: one of its processes (for
+  kvstream one replica) is killed with SIGKILL once the engines have taken half of the
+  requests, and started again at once on the same port; the requests sent to it
+  meanwhile fail (the shed rate), and the second half's figures against the first's
+  and against the plain run's second half show what a restart cost.
+- ``--kill-engine``: ``kvstream-kv-engine-killed``: engine 1 is killed with SIGKILL at
+  half; the requests it held fail (each counted, with its error), the replicas drop it
+  once its lease runs out, and no client hangs.
+
+``--repeats K`` plays every run K times, the routers in turn (A B C A B C ...), and
+reports each figure's median beside every run's. Each row has ``shed_rate`` (failed ÷
+sent) beside the latencies, and ``halves``: the first and second half of the requests'
+own figures (per-request records).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import statistics
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,47 +58,145 @@ import httpx
 
 from bench.common import emit, json_option
 from bench.kafka_env import bootstrap_option, broker
-from bench.peers import PeerOptions, peer_versions, start_peer
+from bench.peers import POLICIES as PEER_POLICIES
+from bench.peers import PeerOptions, launch_peer, peer_versions
 from bench.replayers import REPLAYERS, AiperfReplayer, Replayer, SdkReplayer
 from kvstream.kafka.topics import ensure_topics
 from kvstream.settings import Settings, TopicSettings
 from kvstream.tools import fleet
 from kvstream.tools.plotting import pyplot
+from kvstream.tools.procs import ManagedProcess
+from kvstream.tools.simulate.shapes import SHAPES, generate_shape
+from kvstream.tools.simulate.trace import Request
 
 ROUTERS = ("kvstream-kv", "kvstream-ttft", "kvstream-ttft-4-replicas", "vllm-router-kv_aware",
-           "vllm-router-cache_aware", "sglang-router-cache_aware", "round_robin")
+           "vllm-router-kv_aware-4-replicas", "vllm-router-cache_aware", "vllm-router-cache_aware-4-replicas",
+           "sglang-router-cache_aware", "sglang-router-cache_aware-4-replicas", "round_robin")
+TRACES = ("conversation", *SHAPES)
+_REPLICAS = "-4-replicas"
+_APPROX = "-approx"
+#: The figures of a run whose medians are reported (the rest are the last run's).
+_MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "requests_per_s",
+                "cached_token_share", "shed_rate", "failed", "engine_ttft_mean_ms", "router_cpu_s")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """A router of ``--routers``, by its name."""
+
+    name: str
+    #: ``kvstream``, ``sglang-router``, ``vllm-router`` or ``round_robin``.
+    kind: str
+    policy: str = ""
+    replicas: int = 1
+    #: kvstream without bridges: the engines given statically, routed by predictions alone.
+    approx: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> RouterSpec:
+        if name == "round_robin":
+            return cls(name, "round_robin")
+        base, replicas = (name[: -len(_REPLICAS)], 4) if name.endswith(_REPLICAS) else (name, 1)
+        base, approx = (base[: -len(_APPROX)], True) if base.endswith(_APPROX) else (base, False)
+        if base in ("kvstream-kv", "kvstream-ttft"):
+            return cls(name, "kvstream", base.rpartition("-")[2], replicas, approx)
+        peer, _, policy = base.rpartition("-")
+        if not approx and policy in PEER_POLICIES.get(peer, ()):
+            return cls(name, peer, policy, replicas)
+        raise click.ClickException(
+            f"unknown router {name!r}: kvstream-kv or kvstream-ttft (with -approx), a peer and its policy "
+            f"({', '.join(f'{p}-{q}' for p, qs in PEER_POLICIES.items() for q in qs)}) or round_robin, "
+            f"each with {_REPLICAS} for four processes"
+        )
+
+
+@dataclass
+class Front:
+    """The router processes a run sends to: ``targets`` in turn; :meth:`restart_one`
+    kills the first with SIGKILL and starts it again on its port."""
+
+    targets: list[str]
+    procs: list[ManagedProcess]
+    restart: Any = None
+    #: What a restart took (s): from the kill to serving again.
+    restarted: dict[str, float] = field(default_factory=dict)
+
+    def restart_one(self) -> None:
+        if self.restart is not None:
+            t0 = time.monotonic()
+            self.restart()
+            self.restarted["down_s"] = round(time.monotonic() - t0, 3)
+
+
+def _kill(proc: ManagedProcess) -> None:
+    os.killpg(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait()
+    proc.stop()
 
 
 @contextmanager
-def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path,
-           tokenizer: Path | None) -> Iterator[tuple[list[str], list[Any]]]:
-    """The base URLs the replayer sends to in turn, and the router processes (for their CPU)."""
+def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path, scale: fleet.Scale) -> Iterator[Front]:
+    """The router's processes in front of ``engines``, stopped when the block ends."""
+    spec = RouterSpec.parse(router)
     urls = [e.url for e in engines]
     with ExitStack() as stack:
-        if router == "round_robin":
-            yield urls, []
+        if spec.kind == "round_robin":
+            yield Front(urls, [])
             return
-        if router.startswith(("vllm-router", "sglang-router")):
-            peer, _, policy = router.rpartition("-")
-            opts = PeerOptions(peer, policy, tuple(urls),
-                               {e.url: e.events for e in engines} if policy == "kv_aware" else None,
-                               fleet.MODEL if policy == "kv_aware" else None)
-            proc = stack.enter_context(start_peer(opts))
-            yield [proc.url], [proc]
+        if spec.kind != "kvstream":
+            opts = PeerOptions(spec.kind, spec.policy, tuple(urls),
+                               {e.url: e.events for e in engines} if spec.policy == "kv_aware" else None,
+                               fleet.MODEL if spec.policy == "kv_aware" else None)
+            procs = [launch_peer(opts) for _ in range(spec.replicas)]
+            for p in procs:
+                stack.callback(lambda p=p: p.stop())
+            out = Front([p.url for p in procs], procs)
+
+            def restart_peer() -> None:
+                old = out.procs[0]
+                _kill(old)
+                new = launch_peer(opts, old.port, restart=True)
+                stack.callback(new.stop)
+                out.procs[0] = new
+
+            out.restart = restart_peer
+            yield out
             return
         prefix = f"fleet.{uuid.uuid4().hex[:8]}."
         ensure_topics(Settings(bootstrap=bootstrap, topics=TopicSettings(prefix=prefix)))
-        bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
-        stack.callback(fleet.stop_all, bridges)
-        policy = "kv" if router == "kvstream-kv" else "ttft"
-        replicas = [fleet.Replica(str(n), bootstrap, prefix, policy, work / f"{prefix}{n}", tokenizer)
-                    for n in range(4 if router.endswith("4-replicas") else 1)]
+        static: tuple[tuple[int, str, int], ...] = ()
+        if spec.approx:
+            static = tuple((e.index, e.url, scale.engine_blocks()) for e in engines)
+        else:
+            bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
+            stack.callback(fleet.stop_all, bridges)
+        replicas = [fleet.Replica(str(n), bootstrap, prefix, spec.policy, work / f"{prefix}{n}", scale.tokenizer, static)
+                    for n in range(spec.replicas)]
         for r in replicas:
             r.start()
             stack.callback(r.stop)
         for r in replicas:
             r.wait_ready(len(engines))
-        yield [r.url for r in replicas], [r.proc for r in replicas]
+        out = Front([r.url for r in replicas], [r.proc for r in replicas if r.proc is not None])
+
+        def restart_replica() -> None:
+            r = replicas[0]
+            r.kill()
+            r.start(restart=True)
+            r.wait_ready(len(engines))
+            assert r.proc is not None
+            out.procs[0] = r.proc
+
+        out.restart = restart_replica
+        yield out
+
+
+def _trace_requests(trace: str, path: Path | None, count: int, speed: float) -> tuple[list[Request], str]:
+    if trace == "conversation":
+        return fleet.load_requests(path or fleet.default_trace(), count, speed)
+    reqs = generate_shape(trace, count)
+    return [Request(r.request_id, r.arrival_ms / speed, r.input_length, r.output_length, r.hash_ids)
+            for r in reqs], f"generated: {trace} (kvstream.tools.simulate.shapes, seed 0)"
 
 
 @click.command("fleet")
@@ -91,109 +206,170 @@ def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path,
               help="The engines run this many times faster than real time.")
 @click.option("--loads", default="1,3", show_default=True,
               help="The trace's rate relative to real time, light to heavy (comma-separated).")
+@click.option("--traces", default="conversation", show_default=True,
+              help=f"Comma-separated, of: {', '.join(TRACES)} (the generated shapes: kvstream.tools.simulate.shapes).")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
+              help="Play every run this many times, the routers in turn; report medians and each run.")
+@click.option("--restart/--no-restart", default=False, show_default=True,
+              help="Also run every router at the heaviest load with one of its processes killed at half and restarted.")
 @click.option("--kill-engine/--no-kill-engine", default=True, show_default=True,
               help="Also run kvstream-kv at the heaviest load with engine 1 killed mid-run.")
-@click.option("--routers", default=",".join(ROUTERS), show_default=True)
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--routers", default=",".join(ROUTERS), show_default=True,
+              help="Comma-separated router names (the module's help lists the forms: -4-replicas, -approx).")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The conversation trace's file (default: the Mooncake trace beside the repository).")
 @click.option("--quick", is_flag=True, help="2 engines, 120 requests, the first load only, no engine killed (for tests).")
 @click.option("--replayer", "replayer_name", type=click.Choice(sorted(REPLAYERS)), default="aiperf", show_default=True,
               help="aiperf: the third-party replayer (installed on first use into a cached venv); "
                    "sdk: kvstream's own openai-SDK replayer.")
-@click.option("--token-id-prompts", is_flag=True,
-              help="sdk replayer: send token-id prompts instead of words (sglang-router refuses them; half the rate here).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw TTFT p50/p99 and cached-token share per router and load into this PNG (needs the plot extra: matplotlib).")
 @bootstrap_option
 @json_option
-def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, kill_engine: bool, routers: str,
-                trace: Path | None, quick: bool, replayer_name: str, token_id_prompts: bool, plot: Path | None,
-                bootstrap: str | None, as_json: bool) -> None:
-    """Routers head to head in front of the same emulated fleet and trace slice."""
+def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, traces: str, repeats: int,
+                restart: bool, kill_engine: bool, routers: str, trace: Path | None, quick: bool, replayer_name: str,
+                plot: Path | None, bootstrap: str | None, as_json: bool) -> None:
+    """Routers head to head in front of the same emulated fleet and traces."""
     if plot is not None:
         pyplot()  # before the runs: a missing extra is said at once
     chosen = [r.strip() for r in routers.split(",") if r.strip()]
-    unknown = sorted(set(chosen) - set(ROUTERS))
-    if unknown:
-        raise click.ClickException(f"unknown routers {unknown}; known: {', '.join(ROUTERS)}")
+    for name in chosen:
+        RouterSpec.parse(name)
+    shapes = [t.strip() for t in traces.split(",") if t.strip()]
+    unknown = sorted(set(shapes) - set(TRACES))
+    if unknown or not shapes:
+        raise click.ClickException(f"unknown traces {unknown}; known: {', '.join(TRACES)}")
     try:
         factors = [float(s) for s in loads.split(",")]
     except ValueError:
         raise click.ClickException(f"--loads must be numbers separated by commas, got {loads!r}") from None
     if not factors or min(factors) <= 0:
         raise click.ClickException(f"--loads must be positive numbers, got {loads!r}")
-    if token_id_prompts and replayer_name != "sdk":
-        raise click.ClickException("--token-id-prompts needs --replayer sdk (aiperf sends text)")
     if quick:
         n_engines, requests, factors, kill_engine = min(n_engines, 2), 120, factors[:1], False
-    trace = trace or fleet.default_trace()
     scale = fleet.Scale(tokenizer=fleet.local_tokenizer())
-    replayers: dict[bool, Replayer] = (
-        {True: AiperfReplayer(), False: AiperfReplayer()} if replayer_name == "aiperf"
-        # sglang-router refuses token-id prompts: it gets words whatever the flag says.
-        else {True: SdkReplayer(text=True), False: SdkReplayer(text=not token_id_prompts)})
+    replayer: Replayer = AiperfReplayer() if replayer_name == "aiperf" else SdkReplayer(text=True)
     out: dict[str, Any] = {"engines": n_engines, "requests": requests, "engine_speed": engine_speed, "loads": factors,
-                           "peers": peer_versions(), "scale": scale.factor, "tokens_per_id": scale.tokens_per_id,
-                           "replayer": {"name": replayer_name, "version": replayers[False].version}, "routers": {}}
-    with broker(bootstrap) as servers:
-        with tempfile.TemporaryDirectory(prefix="kvstream-bench-fleet-") as tmp:
-            runs = [(r, load, False) for r in chosen for load in factors]
-            if kill_engine:
-                runs.append(("kvstream-kv", max(factors), True))
-            for n, (router, load, kill) in enumerate(runs):
-                reqs, out["trace"] = fleet.load_requests(trace, requests, engine_speed * load)
-                replayer = replayers[router.startswith("sglang")]
-                work = Path(tmp) / str(n)
-                work.mkdir()
-                row = _run(router, reqs, scale, engine_speed, n_engines, servers, work, kill, replayer)
-                name = router + ("-engine-killed" if kill else "")
-                out["routers"].setdefault(name, {})[f"{load:g}x"] = row
-                click.echo(f"{name} load {load:g}x: {row}", err=True)
+                           "repeats": repeats, "peers": peer_versions(), "scale": scale.factor,
+                           "tokens_per_id": scale.tokens_per_id,
+                           "replayer": {"name": replayer_name, "version": replayer.version}, "traces": {}}
+    heavy = max(factors)
+    plays = [(r, load, "") for load in factors for r in chosen]
+    if restart:
+        plays += [(r, heavy, "restarted") for r in chosen]
+    if kill_engine:
+        plays.append(("kvstream-kv", heavy, "engine-killed"))
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    with broker(bootstrap) as servers, tempfile.TemporaryDirectory(prefix="kvstream-bench-fleet-") as tmp:
+        n = 0
+        for rep in range(repeats):
+            for shape in shapes:
+                for router, load, scenario in plays:
+                    reqs, source = _trace_requests(shape, trace, requests, engine_speed * load)
+                    out["traces"].setdefault(shape, {"source": source, "routers": {}})
+                    work = Path(tmp) / str(n)
+                    work.mkdir()
+                    n += 1
+                    row = _run(router, reqs, scale, engine_speed, n_engines, servers, work, scenario, replayer)
+                    name = router + (f"-{scenario}" if scenario else "")
+                    runs.setdefault((shape, name, f"{load:g}x"), []).append(row)
+                    click.echo(f"[{rep + 1}/{repeats}] {shape} {name} load {load:g}x: "
+                               f"{ {k: row.get(k) for k in _MEDIAN_KEYS} }", err=True)
+    for (shape, name, load), rows in runs.items():
+        out["traces"][shape]["routers"].setdefault(name, {})[load] = _median_row(rows)
     if plot is not None:
         draw(out, plot)
     emit(out, as_json)
 
 
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last run's row with each figure of ``_MEDIAN_KEYS`` (and of its halves)
+    replaced by the median over the runs, and every run's row under ``runs``."""
+    def med(values: list[Any]) -> Any:
+        nums = [v for v in values if isinstance(v, int | float)]
+        return round(statistics.median(nums), 4) if nums else None
+
+    out = dict(rows[-1])
+    for k in _MEDIAN_KEYS:
+        out[k] = med([r.get(k) for r in rows])
+    out["halves"] = {
+        half: {k: med([r["halves"][half].get(k) for r in rows]) for k in rows[-1]["halves"][half]}
+        for half in rows[-1]["halves"]
+    }
+    if len(rows) > 1:
+        out["runs"] = rows
+    return out
+
+
+def _halves(outcomes: Sequence[fleet.Outcome]) -> dict[str, dict[str, Any]]:
+    """The first and the second half of the requests' own figures."""
+    half = len(outcomes) // 2
+    out = {}
+    for name, part in (("first", outcomes[:half]), ("second", outcomes[half:])):
+        s = fleet.summarize(part, 0.0)
+        out[name] = {"requests": s.requests, "failed": s.failed, "ttft_p50_ms": _r(s.ttft_p50_ms),
+                     "ttft_p99_ms": _r(s.ttft_p99_ms), "cached_token_share": _r(s.cached_token_share)}
+    return out
+
+
+def _r(v: float) -> float | None:
+    return None if v != v else round(v, 4)
+
+
 def draw(out: dict[str, Any], path: Path) -> None:
-    """Three panels per load: TTFT p50, TTFT p99, cached-token share, one bar per router."""
+    """Per trace, three panels per load: TTFT p50, TTFT p99, cached-token share, one bar
+    per router."""
     plt = pyplot()
     import numpy as np
 
-    routers = list(out["routers"])
-    loads = sorted({load for rows in out["routers"].values() for load in rows}, key=lambda k: float(k[:-1]))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    width = 0.8 / max(len(routers), 1)
-    for ax, key, label in zip(axes, ("ttft_p50_ms", "ttft_p99_ms", "cached_token_share"),
-                              ("TTFT p50 (ms, wall clock)", "TTFT p99 (ms, wall clock)", "cached-token share"), strict=True):
-        for j, router in enumerate(routers):
-            values = [out["routers"][router].get(load, {}).get(key, np.nan) for load in loads]
-            ax.bar(np.arange(len(loads)) + j * width, values, width, label=router)
-        ax.set_xticks(np.arange(len(loads)) + width * (len(routers) - 1) / 2, [f"load {k}" for k in loads])
-        ax.set_title(label)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{out['engines']} emulated engines at {out['engine_speed']:g}x, {out['requests']} requests of the trace, "
-                 f"replayed by {out['replayer']['name']} {out['replayer']['version']}")
+    traces = list(out["traces"])
+    fig, grid = plt.subplots(len(traces), 3, figsize=(15, 4.5 * len(traces)), squeeze=False)
+    for row, trace in zip(grid, traces, strict=True):
+        rows = out["traces"][trace]["routers"]
+        routers = list(rows)
+        loads = sorted({load for r in rows.values() for load in r}, key=lambda k: float(k[:-1]))
+        width = 0.8 / max(len(routers), 1)
+        for ax, key, label in zip(row, ("ttft_p50_ms", "ttft_p99_ms", "cached_token_share"),
+                                  ("TTFT p50 (ms, wall clock)", "TTFT p99 (ms, wall clock)", "cached-token share"),
+                                  strict=True):
+            for j, router in enumerate(routers):
+                values = [rows[router].get(load, {}).get(key) for load in loads]
+                ax.bar(np.arange(len(loads)) + j * width, [np.nan if v is None else v for v in values], width,
+                       label=router)
+            ax.set_xticks(np.arange(len(loads)) + width * (len(routers) - 1) / 2, [f"load {k}" for k in loads])
+            ax.set_title(f"{trace}: {label}")
+        row[0].legend(fontsize=6)
+    fig.suptitle(f"{out['engines']} emulated engines at {out['engine_speed']:g}x, {out['requests']} requests per trace, "
+                 f"replayed by {out['replayer']['name']} {out['replayer']['version']}, medians of {out['repeats']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _run(router: str, reqs: list[Any], scale: fleet.Scale, speed: float, n_engines: int, bootstrap: str, work: Path,
-         kill: bool, replayer: Replayer) -> dict[str, Any]:
-    """One router at one load on fresh engines: the replay's summary, the routers' CPU."""
+def _run(router: str, reqs: list[Request], scale: fleet.Scale, speed: float, n_engines: int, bootstrap: str,
+         work: Path, scenario: str, replayer: Replayer) -> dict[str, Any]:
+    """One router at one load on fresh engines: the replay's summary, its halves, the
+    routers' CPU."""
     engines = fleet.start_engines(n_engines, scale, speed)
     try:
-        with front(router, engines, bootstrap, work, scale.tokenizer) as (targets, procs), ExitStack() as stack:
-            if kill:
-                stack.enter_context(_kill_at_half(engines, len(reqs)))
-            cpu0 = sum(p.cpu_seconds() for p in procs)
-            s, extra = replayer.replay(reqs, scale, targets, work / "replay")
-            cpu = sum(p.cpu_seconds() for p in procs) - cpu0
-        engine_ttft = _engine_ttft_ms(engines[1:] if kill else engines)
+        with front(router, engines, bootstrap, work, scale) as fr, ExitStack() as stack:
+            if scenario == "engine-killed":
+                stack.enter_context(_at_half(engines, len(reqs), lambda: os.killpg(engines[0].proc.popen.pid, signal.SIGKILL)))
+            elif scenario == "restarted":
+                stack.enter_context(_at_half(engines, len(reqs), fr.restart_one))
+            cpu0 = sum(p.cpu_seconds() for p in fr.procs)
+            s, extra, outcomes = replayer.replay(reqs, scale, fr.targets, work / "replay")
+            cpu = sum(p.cpu_seconds() for p in fr.procs) - cpu0
+        engine_ttft = _engine_ttft_ms(engines[1:] if scenario == "engine-killed" else engines)
     finally:
         fleet.stop_all([e.proc for e in engines])
-    return s.as_dict() | extra | {"engine_ttft_mean_ms": engine_ttft, "router_cpu_s": round(cpu, 2),
-                                  "loadavg": fleet.loadavg()}
+    row = s.as_dict() | extra | {"shed_rate": round(s.failed / s.requests, 4) if s.requests else None,
+                                 "halves": _halves(outcomes), "engine_ttft_mean_ms": engine_ttft,
+                                 "router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg()}
+    if fr.restarted:
+        row["restart"] = fr.restarted
+    return row
 
 
 def _engine_ttft_ms(engines: list[fleet.Engine]) -> float | None:
@@ -220,10 +396,11 @@ def _taken(client: httpx.Client, url: str) -> float:
 
 
 @contextmanager
-def _kill_at_half(engines: list[fleet.Engine], total: int, every_s: float = 0.25) -> Iterator[None]:
-    """SIGKILL engine 1 (a crash, mid-stream) once the engines have taken half of the
-    ``total`` requests, by their own counters (so whatever the replayer)."""
+def _at_half(engines: list[fleet.Engine], total: int, act: Any, every_s: float = 0.25) -> Iterator[None]:
+    """``act()`` (kill an engine, restart a router) once the engines have taken half of
+    the ``total`` requests, by their own counters (so whatever the replayer)."""
     done = threading.Event()
+    failure: list[BaseException] = []
 
     def watch() -> None:
         with httpx.Client(timeout=2.0) as client:
@@ -233,13 +410,18 @@ def _kill_at_half(engines: list[fleet.Engine], total: int, every_s: float = 0.25
                 except httpx.HTTPError:
                     continue  # an engine busy past the timeout: ask again
                 if taken >= total // 2:
-                    os.killpg(engines[0].proc.popen.pid, signal.SIGKILL)
+                    try:
+                        act()
+                    except BaseException as exc:  # said after the replay, which must not hang
+                        failure.append(exc)
                     return
 
-    thread = threading.Thread(target=watch, name="kill-engine", daemon=True)
+    thread = threading.Thread(target=watch, name="at-half", daemon=True)
     thread.start()
     try:
         yield
     finally:
         done.set()
         thread.join()
+    if failure:
+        raise click.ClickException(f"the mid-run action failed: {failure[0]}")

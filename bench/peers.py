@@ -117,19 +117,32 @@ def peer_command(options: PeerOptions, venv: Path, port: int, metrics_port: int)
     return cmd
 
 
+def launch_peer(options: PeerOptions, port: int | None = None, metrics_port: int | None = None,
+                ready_timeout: float = 60.0, restart: bool = False) -> ManagedProcess:
+    """The peer, serving on ``port`` (refused if taken, unless ``restart``: the same
+    ports as a killed predecessor's; default: free ports) once its ``/health`` answers.
+    The caller stops it."""
+    venv = peers_venv()
+    port = free_port() if port is None else port
+    metrics_port = free_port() if metrics_port is None else metrics_port
+    proc = ManagedProcess.start(
+        options.name, peer_command(options, venv, port, metrics_port), port, extra_ports=[metrics_port],
+        env={"NO_COLOR": "1"}, restart=restart,
+    )
+    try:
+        wait_http(proc, "/health", ready_timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
 @contextmanager
 def start_peer(options: PeerOptions, port: int | None = None, ready_timeout: float = 60.0) -> Iterator[ManagedProcess]:
     """The peer, serving on ``port`` (refused if taken; default: a free port) once its
     ``/health`` answers; stopped with everything it started when the block ends."""
-    venv = peers_venv()
-    port = free_port() if port is None else port
-    metrics_port = free_port()
-    proc = ManagedProcess.start(
-        options.name, peer_command(options, venv, port, metrics_port), port, extra_ports=[metrics_port],
-        env={"NO_COLOR": "1"},
-    )
+    proc = launch_peer(options, port, ready_timeout=ready_timeout)
     try:
-        wait_http(proc, "/health", ready_timeout)
         yield proc
     finally:
         proc.stop()

@@ -17,7 +17,9 @@
 - ``sdk``: kvstream's own (kvstream.tools.fleet.replay: the ``openai`` SDK, asyncio).
 
 Either one's cached-token share is the engines' own count, summed from every successful
-response's ``usage.prompt_tokens_details.cached_tokens`` over its ``prompt_tokens``.
+response's ``usage.prompt_tokens_details.cached_tokens`` over its ``prompt_tokens``. Each
+also gives every request's own outcome (aiperf's from its ``profile_export.jsonl``), in
+the slice's order, for figures over a part of the run (before and after a router restart).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class Replayer(Protocol):
     def version(self) -> str: ...
 
     def replay(self, requests: Sequence[Request], scale: fleet.Scale, targets: Sequence[str],
-               work: Path) -> tuple[fleet.Summary, dict[str, Any]]:
-        """The summary, and what else the replayer reports about its own timing."""
+               work: Path) -> tuple[fleet.Summary, dict[str, Any], list[fleet.Outcome]]:
+        """The summary, what else the replayer reports about its own timing, and each
+        request's outcome (in the order of ``requests``)."""
         ...
 
 
@@ -84,9 +87,11 @@ class SdkReplayer:
         return f"kvstream.tools.fleet (openai {openai.__version__}, asyncio)"
 
     def replay(self, requests: Sequence[Request], scale: fleet.Scale, targets: Sequence[str],
-               work: Path) -> tuple[fleet.Summary, dict[str, Any]]:
-        s = fleet.replay(requests, scale, lambda i: targets[i % len(targets)], timeout=self.timeout_s, text=self.text)
-        return s, {"prompts": "text" if self.text else "token ids"}
+               work: Path) -> tuple[fleet.Summary, dict[str, Any], list[fleet.Outcome]]:
+        outcomes, seconds = fleet.replay_outcomes(
+            requests, scale, lambda i: targets[i % len(targets)], timeout=self.timeout_s, text=self.text
+        )
+        return fleet.summarize(outcomes, seconds), {"prompts": "text" if self.text else "token ids"}, outcomes
 
 
 def venvs_root() -> Path:
@@ -160,7 +165,7 @@ class AiperfReplayer:
         ]
 
     def replay(self, requests: Sequence[Request], scale: fleet.Scale, targets: Sequence[str],
-               work: Path) -> tuple[fleet.Summary, dict[str, Any]]:
+               work: Path) -> tuple[fleet.Summary, dict[str, Any], list[fleet.Outcome]]:
         if scale.tokenizer is None:
             raise click.ClickException("the aiperf replayer needs the engines' tokenizer.json (Scale.tokenizer)")
         if not requests:
@@ -186,9 +191,40 @@ class AiperfReplayer:
             export = out / "profile_export_aiperf.json"
             if not export.is_file():
                 raise click.ClickException(f"aiperf wrote no {export.name}:\n{proc.log_tail(4000)}")
-            return summarize_export(json.loads(export.read_text()), len(requests))
+            summary, extra = summarize_export(json.loads(export.read_text()), len(requests))
+            return summary, extra, read_records(out / "profile_export.jsonl", len(requests))
         finally:
             proc.stop()
+
+
+def read_records(path: Path, sent: int) -> list[fleet.Outcome]:
+    """aiperf's per-request records as outcomes, by the trace line each replayed (its
+    fixed schedule makes line ``i`` session ``i``); a request with no record failed."""
+    out = [fleet.Outcome(False, error="no record from aiperf") for _ in range(sent)]
+    if not path.is_file():
+        return out
+    with path.open() as f:
+        for line in f:
+            rec = json.loads(line)
+            i = rec.get("metadata", {}).get("session_num")
+            if not isinstance(i, int) or not 0 <= i < sent:
+                continue
+            error = rec.get("error")
+            if error:
+                out[i] = fleet.Outcome(False, error=f"{error.get('type')}: {str(error.get('message'))[:120]}")
+                continue
+            m = rec.get("metrics", {})
+
+            def value(key: str) -> float:
+                v = m.get(key, {}).get("value")
+                return math.nan if v is None else float(v)
+
+            out[i] = fleet.Outcome(
+                True, value("time_to_first_token"), value("request_latency"),
+                int(value("usage_prompt_tokens")) if not math.isnan(value("usage_prompt_tokens")) else 0,
+                int(value("usage_prompt_cache_read_tokens")) if not math.isnan(value("usage_prompt_cache_read_tokens")) else 0,
+            )
+    return out
 
 
 def summarize_export(export: dict[str, Any], sent: int) -> tuple[fleet.Summary, dict[str, Any]]:

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("kvstream.worker.cli:worker", "Run a worker: bridge a vLLM/SGLang engine or the tiered pool."),
     "replay": ("kvstream.tools.replay.cli:replay", "Debug from the log: dump, rebuild, explain, diff, stats."),
     "simulate": ("kvstream.tools.simulate.cli:simulate", "Replay a trace through simulated engines and policies."),
+    "workload": ("kvstream.tools.simulate.shapes:workload", "Write a generated trace (agents, system prompts, documents)."),
     "emulate": ("kvstream.emulator.cli:emulate", "Run an emulated vLLM engine (API, scheduling, KV events)."),
 }
 

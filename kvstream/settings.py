@@ -43,6 +43,7 @@ from kvstream.logs import DEFAULT_FORMAT, DEFAULT_LEVEL, FORMATS, LEVELS, get_lo
 from kvstream.options import is_internal
 from kvstream.replica.options import HttpLimits, ReplicaOptions, ServerOptions
 from kvstream.router.active import DEFAULT_TTL_S
+from kvstream.router.index import DEFAULT_EXPECTED_BLOCKS, DEFAULT_EXPECTED_TTL_S
 from kvstream.router.scheduler import config_fields
 from kvstream.worker.options import WorkerOptions
 
@@ -160,6 +161,12 @@ class _RouterSection(Section):
 
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
     request_ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
+    #: A routed prompt's blocks are expected on its worker (counted as cached there) until
+    #: the engine's events confirm them, its request fails, or this many seconds pass;
+    #: a worker without events is routed by them alone (approximate mode, issue 33).
+    expected_ttl_s: float = Field(DEFAULT_EXPECTED_TTL_S, gt=0, allow_inf_nan=False)
+    #: Most blocks expected per worker rank whose registration gives no device capacity.
+    expected_blocks: int = Field(DEFAULT_EXPECTED_BLOCKS, ge=0)
     #: Only workers with a live registration on kvstream.workers (or listed in
     #: ``[[gateway.workers]]``) may win a ``POST /v1/route``: a worker id that only ever
     #: published events is a phantom (kvstream.replica.admission). Turn it off only for a
@@ -228,13 +235,16 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _load_outlives_restarts(self) -> Settings:
-        # A (re)started replica rebuilds load from the last request_ttl_s of kvstream.active.
-        if self.router.request_ttl_s * 1000 > self.topics.active_retention_ms:
-            raise ValueError(
-                f"router.request_ttl_s ({self.router.request_ttl_s:g} s) is longer than topics.active_retention_ms "
-                f"({self.topics.active_retention_ms} ms): a restarted replica could not rebuild the load of the "
-                "requests older than the retention"
-            )
+        # A (re)started replica rebuilds load and predictions from the last request_ttl_s
+        # (expected_ttl_s) of kvstream.active.
+        for name, what in (("request_ttl_s", "the load of the requests"), ("expected_ttl_s", "the predicted blocks")):
+            ttl = getattr(self.router, name)
+            if ttl * 1000 > self.topics.active_retention_ms:
+                raise ValueError(
+                    f"router.{name} ({ttl:g} s) is longer than topics.active_retention_ms "
+                    f"({self.topics.active_retention_ms} ms): a restarted replica could not rebuild {what} "
+                    "older than the retention"
+                )
         return self
 
     @field_validator("log_level", mode="before")

@@ -71,13 +71,15 @@ class RequestLife:
             await self._op(self.replica.prefill_done)
 
     async def free(self) -> None:
+        """The attempt ended: before its first token it is refuted (failed, cancelled or
+        moved), and its prompt's blocks are not expected on its worker any more."""
         self._share_add()
         if self.added:
             self.added = False
-            await self._op(self.replica.free)
+            await self._op(self.replica.free, not self.prefilled)
 
-    async def _op(self, op: Callable[[str], None]) -> None:
+    async def _op(self, op: Callable[..., None], *args: object) -> None:
         try:
-            await self.replica.loop_lock.run(op, self.request_id, limiter=self.limiter)
+            await self.replica.loop_lock.run(op, self.request_id, *args, limiter=self.limiter)
         except RouterError:
             pass  # expired meanwhile (a request older than the TTL): nothing left to undo

@@ -31,6 +31,9 @@ class StaticWorker:
     api_key: str | None = field(default=None, repr=False)
     #: Data-parallel ranks of the engine (candidates before any event names them).
     dp_ranks: int = 1
+    #: KV capacity of the engine's device tier per rank, in blocks: the most blocks it
+    #: may be expected to hold (routed there, unconfirmed); unknown: [router] expected_blocks.
+    kv_capacity_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.id < _U64_END:
@@ -41,6 +44,8 @@ class StaticWorker:
             raise OptionsError(f"worker {self.id}: models must name at least one model, and no name may be empty")
         if self.dp_ranks < 1:
             raise OptionsError(f"worker {self.id}: dp_ranks must be >= 1, got {self.dp_ranks}")
+        if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 0:
+            raise OptionsError(f"worker {self.id}: kv_capacity_blocks must be >= 0, got {self.kv_capacity_blocks}")
         if self.api_key is not None and not self.api_key.strip():
             raise OptionsError(f"worker {self.id}: api_key is empty")
 
@@ -85,9 +90,10 @@ class GatewayOptions:
     workers: tuple[StaticWorker, ...] = ()
     #: ``[[gateway.models]]``: each model's local tokenizer, for text prompts.
     models: tuple[ModelTokenizerConfig, ...] = ()
-    #: Where text prompts get their token ids: the model's local tokenizer, or the
-    #: ``/tokenize`` endpoint of one candidate engine (vLLM's).
-    tokenize: Literal["local", "engine"] = "local"
+    #: Where text prompts get their token ids: ``auto``, the model's local tokenizer when
+    #: ``[[gateway.models]]`` gives one, else the ``/tokenize`` endpoint of one candidate
+    #: engine (vLLM and SGLang serve it); ``local`` or ``engine`` only.
+    tokenize: Literal["auto", "local", "engine"] = "auto"
     #: Further workers tried when one fails before its first byte (each a different one).
     retries: int = 2
     #: Seconds to connect to a worker; seconds without a byte from it (before the first

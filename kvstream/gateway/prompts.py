@@ -1,7 +1,8 @@
 """The token ids a request is routed by: ids the client sent are used as given; text is
 tokenized by the model's local tokenizer (kvstream.gateway.seams.PromptTokenizer, off the
-event loop when long), or, with ``tokenize = "engine"``, by the ``/tokenize`` endpoint of
-one candidate engine (vLLM's; one worker asked, never all: its answer's ids are read by
+event loop when long), or, with ``tokenize = "engine"`` or with ``"auto"`` (the default)
+for a model that has no local tokenizer, by the ``/tokenize`` endpoint of one candidate
+engine (vLLM's and SGLang's; one worker asked, never all: its answer's ids are read by
 the compiled core straight into packed u32s, which routing reads as they are)."""
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ class PromptIds:
         given = self.given(req)
         if given is not None:
             return given
-        if self.options.tokenize == "engine":
+        mode = self.options.tokenize
+        tokenizer = None if mode == "engine" else self._tokenizer(req.model, endpoints)
+        if tokenizer is None and mode != "local":
             # One engine asked; another only when it cannot answer (down, 5xx), as a
             # request is retried elsewhere: at most 1 + retries of them.
             failure: ApiError | None = None
@@ -74,11 +77,10 @@ class PromptIds:
                     failure = exc.error
             assert failure is not None
             raise failure
-        tokenizer = self._tokenizer(req.model, endpoints)
         if tokenizer is None:
             raise bad_request(
                 f"no tokenizer is configured for model {req.model!r}: send `prompt` as token ids, configure the "
-                "model's tokenizer, or set [gateway] tokenize = \"engine\"", "model", "no_tokenizer",
+                "model's tokenizer, or set [gateway] tokenize = \"auto\" or \"engine\"", "model", "no_tokenizer",
             )
         if req.endpoint is Endpoint.CHAT:
             work, arg = tokenizer.chat_ids, req.body

@@ -19,7 +19,7 @@ class StaticDirectory:
     def __init__(self, workers: Sequence[StaticWorker]) -> None:
         self._by_id = {
             w.id: WorkerEndpoint(w.id, w.url.rstrip("/"), tuple(w.models), tuple(w.loras),
-                                 dp_ranks=w.dp_ranks, api_key=w.api_key)
+                                 dp_ranks=w.dp_ranks, kv_capacity_blocks=w.kv_capacity_blocks, api_key=w.api_key)
             for w in sorted(workers, key=lambda w: w.id)
         }
         self._all = tuple(self._by_id.values())

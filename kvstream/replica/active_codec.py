@@ -10,6 +10,7 @@ from kvstream.events.errors import DecodeError
 from kvstream.events.wire import to_long, to_u64
 from kvstream.replica.request_ids import is_safe, scoped, unscoped
 from kvstream.router.active import ActiveOp, AddRequest, FreeRequest, PackedHashes, PrefillDone
+from kvstream.router.router import RouterConfig
 
 ACTIVE_OP = "kvstream.active.ActiveOp"
 
@@ -28,6 +29,7 @@ class ActiveOpCodec:
             "isl": 0,
             "overlap_tokens": 0,
             "sequence_hashes": b"",
+            "refuted": False,
         }
         if isinstance(op, AddRequest):
             record.update(
@@ -38,8 +40,10 @@ class ActiveOpCodec:
                 overlap_tokens=op.overlap_tokens,
                 sequence_hashes=seqs.data if isinstance(seqs := op.sequence_hashes, PackedHashes) else pack_u64(seqs),
             )
+        elif isinstance(op, PrefillDone):
+            record["kind"] = "PREFILL_DONE"
         else:
-            record["kind"] = "PREFILL_DONE" if isinstance(op, PrefillDone) else "FREE"
+            record.update(kind="FREE", refuted=op.refuted)
         return self.codec.encode(ACTIVE_OP, record)
 
     def decode(self, data: bytes) -> tuple[str, ActiveOp]:
@@ -62,14 +66,15 @@ class ActiveOpCodec:
         elif kind == "PREFILL_DONE":
             op = PrefillDone(r["request_id"], ts)
         elif kind == "FREE":
-            op = FreeRequest(r["request_id"], ts)
+            op = FreeRequest(r["request_id"], ts, r["refuted"])
         else:
             raise DecodeError(f"active op of unknown kind {kind}")
         return r["replica_id"], op
 
 
-def load_window_start_ms(at_ms: int, request_ttl_s: float) -> int:
+def load_window_start_ms(at_ms: int, config: RouterConfig) -> int:
     """Where the load at ``at_ms`` begins on kvstream.active: a request routed longer than
-    its TTL ago has expired, so a restarted replica and ``kvstream replay`` both take the
-    ops of the last ``request_ttl_s`` (the [router] setting), and no more."""
-    return at_ms - int(request_ttl_s * 1000)
+    its TTL ago has expired, and so has a prediction older than its own, so a restarted
+    replica and ``kvstream replay`` both take the ops of the longer of the two ([router]
+    request_ttl_s, expected_ttl_s), and no more."""
+    return at_ms - int(max(config.request_ttl_s, config.expected_ttl_s) * 1000)

@@ -226,12 +226,8 @@ class LogFold:
         router: Router,
         reader: PackedReader,
         authority: LogAuthority = TRUSTING,
-        on_expired: Callable[[int, int], None] | None = None,
     ) -> None:
         self.router = router
-        #: Told (worker id, log time ms) of each expiry: replay re-applies the removal
-        #: of the worker's requests at that time among the active ops.
-        self._on_expired = on_expired
         self._read = reader.read_packed
         self.authority = authority
         self.partitions: dict[int, PartitionState] = {}
@@ -509,8 +505,6 @@ class LogFold:
                 heapq.heappush(heap, (deadline, wid))  # renewed since it was pushed
                 continue
             self._drop(wid, partition, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)")
-            if self._on_expired is not None:
-                self._on_expired(wid, now_ms)
             self.counters[EXPIRED] += 1
 
     def _drop(self, wid: int, partition: int, why: str) -> None:

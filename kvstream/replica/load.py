@@ -81,7 +81,7 @@ class LoadSharing:
             if not parts:
                 log.error("active topic missing; load is not shared", topic=self._topic)
                 return
-            since_ms = load_window_start_ms(int(time.time() * 1000), self._router.config.request_ttl_s)
+            since_ms = load_window_start_ms(int(time.time() * 1000), self._router.config)
             tps = consumer.offsets_for_times([TopicPartition(self._topic, p, since_ms) for p in parts], timeout=30)
             consumer.assign([
                 tp if tp.offset >= 0 else TopicPartition(self._topic, tp.partition, OFFSET_END) for tp in tps

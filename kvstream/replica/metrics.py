@@ -105,6 +105,16 @@ class ReplicaMetrics:
             "kvstream_stale_decisions", "Routing decisions made on an index known to be behind (marked stale)", registry=r
         )
         self.partitions = Gauge("kvstream_events_partitions", "Partitions of the events topic being read", registry=r)
+        self.worker_mode = Gauge(
+            "kvstream_worker_mode",
+            "1 for how each routable worker is routed: by its KV events (events), or by the blocks routed to it "
+            "alone (approximate: it publishes no events, or they stopped)",
+            ["worker", "mode"], registry=r,
+        )
+        self.expected_blocks = Gauge(
+            "kvstream_expected_blocks", "Blocks expected on workers: routed there, not confirmed by their events yet",
+            registry=r,
+        )
         self._last_commit: float | None = None
         self.snapshot_age.set_function(
             lambda: 0.0 if self._last_commit is None else time.time() - self._last_commit

@@ -115,6 +115,9 @@ class ReplicaOptions:
     #: A record (value, key and headers) larger than this is referenced in the DLQ, not
     #: copied: far below the producer's message.max.bytes (1 MB by default).
     dlq_max_bytes: int = internal(256 * 1024)
+    #: How often the routable workers' modes (events / approximate), the bounds of what
+    #: they may be expected to hold and the predictions' expiry are refreshed (s).
+    modes_interval_s: float = internal(1.0)
     #: How often the events topic's partition count is checked (s).
     metadata_interval_s: float = internal(10.0)
     #: A thread restarts after this (s), doubling up to ``thread_max_backoff_s``; a

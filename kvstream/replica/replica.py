@@ -43,6 +43,7 @@ from kvstream.replica.lag import LagWatch, iso
 from kvstream.replica.load import LoadSharing
 from kvstream.replica.loop_lock import LoopLock
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.modes import Routable, WorkerModes
 from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.recovery import PeerSource, recover
 from kvstream.replica.registry import WorkerRegistry
@@ -121,6 +122,10 @@ class Replica:
                                  self._producer, self.metrics, self.supervisor, self._stop)
         self._registry_reader = RegistryReader(settings, self.replica_id, self.registry, self.metrics, self._stop,
                                                partial(self.supervisor.progress, "workers"))
+        #: How each routable worker is routed (by its events or approximately), stepped
+        #: by a thread of its own.
+        self.modes = WorkerModes(self.router, self._routable, self.fold.workers.keys, self.metrics.worker_mode, clock)
+        self._routable_of: tuple[object, dict[int, Routable]] = (None, {})
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
         self._worker_status: dict[int, dict] = {}
         self._partitions = Partitions(0)
@@ -187,6 +192,7 @@ class Replica:
         self.supervisor.spawn("lag", self._watch.run, critical=True)
         self.supervisor.spawn("active", self._load.run, critical=False)
         self.supervisor.spawn("workers", self._registry_reader.run, critical=False)
+        self.supervisor.spawn("modes", self._step_modes, critical=False)
 
     def stop(self) -> None:
         """Stop the threads, finish the snapshot in progress, flush producers."""
@@ -209,6 +215,23 @@ class Replica:
             self._offsets_consumer.close()
         if self.store is not None:
             self.store.close()
+
+    def _step_modes(self) -> None:
+        while not self._stop.wait(self.options.modes_interval_s):
+            with self.lock:
+                self.modes.step()
+            self.supervisor.progress("modes")
+
+    def _routable(self) -> dict[int, Routable]:
+        """The workers the gateway may route to: registered with an engine URL, and the
+        static ones (the same object while the registry is unchanged)."""
+        regs = self.registry.registrations()
+        if regs is not self._routable_of[0]:
+            out = {wid: Routable(r.dp_ranks, r.kv_capacity_blocks) for wid, r in regs.items() if r.url is not None}
+            for w in self.settings.gateway.workers:
+                out[w.id] = Routable(tuple(range(w.dp_ranks)), w.kv_capacity_blocks)
+            self._routable_of = (regs, out)
+        return self._routable_of[1]
 
     def _broker_down(self) -> bool:
         return self._watch is not None and self._watch.broker_down_since is not None
@@ -278,11 +301,18 @@ class Replica:
         """Per worker: blocks per rank and tier, epoch, last event ids, partition lag."""
         lag = self.lag()
         with self.lock:
+            self.modes.step()
             sizes = self.router.tree_sizes()
             out: dict[str, dict] = {}
             for key, tiers in sizes.items():
                 w = out.setdefault(str(key.worker_id), {"ranks": {}})
                 w["ranks"][str(key.dp_rank)] = {t.value: n for t, n in tiers.items()}
+            for key, n in self.router.expected_blocks().items():
+                # Routed there, not confirmed by its events yet (the ranks' tiers are the index's).
+                w = out.setdefault(str(key.worker_id), {"ranks": {}})
+                w.setdefault("expected_blocks", {})[str(key.dp_rank)] = n
+            for wid, mode in self.modes.modes.items():
+                out.setdefault(str(wid), {"ranks": {}})["mode"] = mode
             for wid, wlog in self.fold.workers.items():
                 w = out.setdefault(str(wid), {"ranks": {}})
                 w.update(
@@ -343,6 +373,8 @@ class Replica:
         client) is marked on that replica's behalf."""
         self._load.request_op(self.router.prefill_done, request_id)
 
-    def free(self, request_id: str) -> None:
-        """The request ended; as prefill_done, for this replica's requests or a peer's."""
-        self._load.request_op(self.router.free, request_id)
+    def free(self, request_id: str, refuted: bool = False) -> None:
+        """The request ended (``refuted``: before its prompt was computed, so the blocks
+        it predicted on its worker are no longer expected there); as prefill_done, for
+        this replica's requests or a peer's."""
+        self._load.request_op(partial(self.router.free, refuted=refuted), request_id)

@@ -310,9 +310,11 @@ def create_app(
         return {"request_id": request_id, "state": "decoding"}
 
     @app.delete("/v1/requests/{request_id}", dependencies=needs(Scope.CLIENT))
-    def free(request_id: RequestId) -> dict[str, str]:
+    def free(request_id: RequestId, refuted: bool = False) -> dict[str, str]:
+        """The request ended; ``?refuted=true``: before its first token (it failed or was
+        cancelled), so its prompt's blocks are no longer expected on its worker."""
         try:
-            replica.free(request_id)
+            replica.free(request_id, refuted)
         except UnknownRequestError as exc:
             raise HTTPException(404, str(exc)) from None
         except AmbiguousRequestError as exc:
@@ -377,6 +379,7 @@ def create_app(
     def prometheus() -> Response:
         with replica.lock:
             metrics.set_rejections(replica.fold.rejections())
+            metrics.expected_blocks.set(replica.router.expected_total())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

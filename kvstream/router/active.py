@@ -95,13 +95,25 @@ class PrefillDone:
 
 @dataclass(frozen=True, slots=True)
 class FreeRequest:
-    """The request finished or was cancelled."""
+    """The request finished or was cancelled; ``refuted``: before its prompt was
+    computed (it failed, was cancelled or moved to another worker), so that the blocks it
+    predicted on its worker are not expected there any more."""
 
     request_id: str
     timestamp: float
+    refuted: bool = False
 
 
 ActiveOp = AddRequest | PrefillDone | FreeRequest
+
+
+class Refuted(NamedTuple):
+    """What a request freed before its prompt was computed no longer predicts: the
+    blocks of its prompt that no other request running on its worker holds."""
+
+    worker: WorkerKey
+    #: Their sequence hashes, little-endian u64.
+    sequence_hashes: bytes
 
 
 class WorkerLoad(NamedTuple):
@@ -136,8 +148,9 @@ class ActiveSequences:
     def __contains__(self, request_id: object) -> bool:
         return isinstance(request_id, str) and request_id in self.core
 
-    def apply(self, op: ActiveOp) -> None:
-        """Apply one operation. Raises DuplicateRequestError (add of an active id) or
+    def apply(self, op: ActiveOp) -> Refuted | None:
+        """Apply one operation; a refuted free returns what its request no longer
+        predicts. Raises DuplicateRequestError (add of an active id) or
         UnknownRequestError (prefill_done / free of an id that is not active)."""
         core = self.core
         if isinstance(op, AddRequest):
@@ -155,10 +168,14 @@ class ActiveSequences:
                 worker_id, dp_rank, tokens, seconds, decode_blocks = seen
                 self.rates.observe(WorkerKey(worker_id, dp_rank), tokens, seconds, decode_blocks)
         elif isinstance(op, FreeRequest):
-            if not core.free(op.request_id):
+            freed = core.free(op.request_id)
+            if freed is None:
                 raise _unknown(op.request_id, "free")
+            if op.refuted:
+                return Refuted(WorkerKey(*freed[0]), freed[1])
         else:
             raise TypeError(f"not an active-sequence operation: {op!r}")
+        return None
 
     def expire(self, now: float | None = None) -> list[str]:
         return self.core.expire(self.clock() if now is None else now)

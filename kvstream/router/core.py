@@ -95,7 +95,7 @@ def decide(
     c = np.frombuffer(cols, "<f8").reshape(7, n)
     cands = Candidates(
         tuple(keys),
-        np.frombuffer(ov, "<i8").reshape(n, 4),
+        np.frombuffer(ov, "<i8").reshape(n, 5),
         np.frombuffer(ld, "<i8").reshape(n, 5),
     )
     columns = LogitColumns(c[0], c[1], c[2], c[3], c[4].astype(np.int64), c[5], c[6])

@@ -11,6 +11,14 @@ an entry holds every tier's mask) and stops when no worker extends its prefix. A
 prefix ANDs in C via ``itertools``) matched 4-5x slower in ``kvstream bench index``: a
 Python dict lookup of a random 64-bit key costs ~150 ns at a million entries.
 
+Beside the tiers, the core holds *expected* blocks (issue 33; expect.rs): positions of
+prompts routed to a slot that it does not hold yet, which matching credits after the
+stored tiers until the engine's events confirm them, the request that predicted them
+fails, or their TTL runs out. They come from the load log (``kvstream.active``), not the
+events log, so a worker known only by them (an engine without KV events, or whose events
+stopped) is a candidate when named, never a worker the index *knows*, and snapshots
+leave them out.
+
 This module names the slots (worker id, dp rank), dispatches events, keeps the counters
 of rejected or skipped events, and exports/imports workers for snapshots.
 """
@@ -69,44 +77,92 @@ class PackedBlocks(NamedTuple):
 
 class TierOverlap(NamedTuple):
     """Leading prompt blocks credited to one worker on each tier (DESIGN.md §4): the
-    device prefix, then its continuation on host_pinned, disk and external in turn."""
+    device prefix, then its continuation on host_pinned, disk and external in turn, then
+    on the blocks it is expected to store (routed there, not confirmed yet)."""
 
     device: int = 0
     host_pinned: int = 0
     disk: int = 0
     external: int = 0
+    expected: int = 0
+
+    @property
+    def stored(self) -> int:
+        """Leading blocks the worker holds (every tier, not the expected ones)."""
+        return self.device + self.host_pinned + self.disk + self.external
+
+
+#: Expected blocks live this long unconfirmed (s), and at most this many per worker rank
+#: unless its registration gives its device capacity (Dynamo's approximate indexer keeps
+#: routed blocks 120 s).
+DEFAULT_EXPECTED_TTL_S = 120.0
+DEFAULT_EXPECTED_BLOCKS = 65_536
 
 
 class TieredIndex:
     """The index of every tier, the workers known to it, and the counters of rejected
     or skipped events. Not thread-safe: one writer (the consume loop)."""
 
-    def __init__(self) -> None:
-        self._core = IndexCore()
+    def __init__(
+        self, expected_ttl_s: float = DEFAULT_EXPECTED_TTL_S, expected_blocks: int = DEFAULT_EXPECTED_BLOCKS
+    ) -> None:
+        self._core = IndexCore(expected_ttl_s, expected_blocks)
+        #: Slots of the worker ranks known by their events.
         self._slot_of: dict[tuple[int, int], int] = {}
+        #: Slots of the ranks known only as candidates (expected blocks, no event).
+        self._named: dict[tuple[int, int], int] = {}
         self._keys: list[WorkerKey | None] = []
+        #: ``_keys`` with the named-only slots left out (None: to be rebuilt).
+        self._indexed_keys: list[WorkerKey | None] | None = []
         self._free_slots: list[int] = []
         self._ranks: dict[int, set[int]] = {}
+        #: The most blocks a rank may be expected to hold, where its capacity is known.
+        self._caps: dict[tuple[int, int], int] = {}
         self.counters: Counter[str] = Counter({r: 0 for r in REASONS})
 
     # -- workers ---------------------------------------------------------------------
 
     def _slot(self, worker_id: int, dp_rank: int) -> int:
+        """The slot of a rank its events name: it becomes known."""
         slot = self._slot_of.get((worker_id, dp_rank))
         if slot is None:
-            # Reusing the lowest free slot keeps the slot groups (64 slots each) few; a
-            # freed slot has no block left anywhere, so reuse is safe.
-            if self._free_slots:
-                self._free_slots.sort(reverse=True)
-                slot = self._free_slots.pop()
-                self._keys[slot] = WorkerKey(worker_id, dp_rank)
-            else:
-                slot = len(self._keys)
-                self._keys.append(WorkerKey(worker_id, dp_rank))
+            slot = self._named.pop((worker_id, dp_rank), None)
+            if slot is None:
+                slot = self._new_slot(worker_id, dp_rank)
             self._slot_of[(worker_id, dp_rank)] = slot
             self._ranks.setdefault(worker_id, set()).add(dp_rank)
-            self._core.add_slot(slot)
+            self._indexed_keys = None
         return slot
+
+    def _new_slot(self, worker_id: int, dp_rank: int) -> int:
+        # Reusing the lowest free slot keeps the slot groups (64 slots each) few; a
+        # freed slot has no block nor expectation left, so reuse is safe.
+        if self._free_slots:
+            self._free_slots.sort(reverse=True)
+            slot = self._free_slots.pop()
+            self._keys[slot] = WorkerKey(worker_id, dp_rank)
+        else:
+            slot = len(self._keys)
+            self._keys.append(WorkerKey(worker_id, dp_rank))
+        self._core.add_slot(slot)
+        self._core.set_expected_cap(slot, self._caps.get((worker_id, dp_rank)))  # a reused slot's too
+        self._indexed_keys = None
+        return slot
+
+    def _slot_for(self, key: tuple[int, int]) -> int:
+        """The slot of a rank, known or named; a new named one if it has none."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            slot = self._named.get(key)
+            if slot is None:
+                slot = self._named[key] = self._new_slot(*key)
+        return slot
+
+    def _free(self, slot: int) -> None:
+        self._core.remove_slot(slot)
+        self._keys[slot] = None
+        self._free_slots.append(slot)
+        self._indexed_keys = None
 
     @property
     def core(self) -> IndexCore:
@@ -115,19 +171,28 @@ class TieredIndex:
 
     def workers(self) -> list[WorkerKey]:
         """Every (worker, dp_rank) that has published anything, in slot order."""
-        return [k for k in self._keys if k is not None]
+        return [k for k in self.candidate_slots(None) if k is not None]
 
     def candidate_slots(self, wanted: Sequence[WorkerKey] | None) -> list[WorkerKey | None]:
-        """Per slot, its key when it is a candidate for ``wanted`` (else None), then
-        the wanted keys the index does not know (as slots past the last one: they hold
-        no block). None: every slot in use is a candidate (the list is the index's own:
-        read it, never change it)."""
+        """Per slot, its key when it is a candidate for ``wanted`` (else None): every
+        rank of the wanted workers that the index knows, and the wanted keys, which get
+        a slot if they have none (a worker that published nothing competes with no
+        overlap; what is routed to it is expected there). None: every rank the index
+        knows by its events (the list is the index's own: read it, never change it)."""
         if wanted is None:
-            return self._keys
-        ids = {k[0] for k in wanted}
-        slots = [k if k is not None and k.worker_id in ids else None for k in self._keys]
-        known = self._slot_of
-        return slots + [WorkerKey(*k) for k in dict.fromkeys(wanted) if (k[0], k[1]) not in known]
+            if self._indexed_keys is None:
+                known = self._slot_of
+                self._indexed_keys = [k if k is not None and k in known else None for k in self._keys]
+            return self._indexed_keys
+        keys = {(k[0], k[1]) for k in wanted}
+        for k in keys:
+            self._slot_for(k)
+        ids = {k[0] for k in keys}
+        named = self._named
+        return [
+            k if k is not None and k.worker_id in ids and (k not in named or k in keys) else None
+            for k in self._keys
+        ]
 
     def knows(self, worker_id: int) -> bool:
         return worker_id in self._ranks
@@ -137,16 +202,76 @@ class TieredIndex:
         return [WorkerKey(worker_id, r) for r in sorted(self._ranks.get(worker_id, ()))]
 
     def remove_worker(self, worker_id: int) -> list[WorkerKey]:
-        """Forget a worker (every rank, every tier): O(its blocks); returns the keys
-        removed."""
+        """Forget a worker's blocks (every rank, every tier): O(its blocks); returns the
+        keys removed. What it is expected to store stays until it expires (the load
+        log's, not the events'): a worker still named as a candidate is routed by it."""
         removed = []
         for rank in sorted(self._ranks.pop(worker_id, ())):
-            slot = self._slot_of.pop((worker_id, rank))
-            self._core.remove_slot(slot)
-            removed.append(WorkerKey(worker_id, rank))
-            self._keys[slot] = None
-            self._free_slots.append(slot)
+            key = WorkerKey(worker_id, rank)
+            slot = self._slot_of.pop(key)
+            if self._core.expected_count(slot):
+                self._core.drop_blocks(slot)
+                self._named[key] = slot
+                self._indexed_keys = None
+            else:
+                self._free(slot)
+            removed.append(key)
         return removed
+
+    def forget(self, worker_id: int) -> None:
+        """Drop what a worker the index does not know is expected to store (every rank):
+        it left the fleet."""
+        for key in [k for k in self._named if k[0] == worker_id]:
+            self._free(self._named.pop(key))
+        for key in [k for k in self._caps if k[0] == worker_id]:
+            del self._caps[key]
+
+    # -- expected blocks ----------------------------------------------------------------
+
+    def expect(self, key: WorkerKey, sequence_hashes: Sequence[int] | bytes, routed_at: float) -> None:
+        """A prompt (its blocks' sequence hashes, or them packed as little-endian u64)
+        was routed to ``key`` at ``routed_at``: the blocks past the prefix it holds are
+        expected there."""
+        hashes = sequence_hashes if type(sequence_hashes) is bytes else list(sequence_hashes)
+        self._core.expect(self._slot_for((key[0], key[1])), hashes, routed_at)
+
+    def unexpect(self, key: WorkerKey, sequence_hashes: Sequence[int] | bytes) -> None:
+        """These blocks are no longer expected on ``key`` (their request failed)."""
+        slot = self._slot_of.get((key[0], key[1]), self._named.get((key[0], key[1])))
+        if slot is not None:
+            hashes = sequence_hashes if type(sequence_hashes) is bytes else list(sequence_hashes)
+            self._core.unexpect(slot, hashes)
+
+    def expire_expected(self, now: float) -> None:
+        """Drop the expectations older than their TTL at ``now``."""
+        self._core.expire_expected(now)
+
+    def release_idle(self) -> None:
+        """Free the slots of ranks known only as candidates that are expected to hold
+        nothing (slots are candidates' order: freed only here, periodically)."""
+        count = self._core.expected_count
+        for key in [k for k, slot in self._named.items() if not count(slot)]:
+            self._free(self._named.pop(key))
+
+    def set_expected_capacity(self, key: WorkerKey, blocks: int | None) -> None:
+        """The most blocks ``key`` may be expected to hold (its device capacity; None:
+        the default): the oldest go first past it."""
+        k = (key[0], key[1])
+        if blocks is None:
+            self._caps.pop(k, None)
+        else:
+            self._caps[k] = blocks
+        slot = self._slot_of.get(k, self._named.get(k))
+        if slot is not None:
+            self._core.set_expected_cap(slot, blocks)
+
+    def expected_counts(self) -> dict[WorkerKey, int]:
+        """Blocks expected per worker rank (ranks with none left out)."""
+        count = self._core.expected_count
+        return {WorkerKey(*k): n for k, slot in (*self._slot_of.items(), *self._named.items()) if (n := count(slot))}
+
+    def expected_total(self) -> int:
+        return self._core.expected_total()
 
     def worker_blocks(self, worker_id: int) -> int:
         """Blocks a worker holds over every rank and tier: O(its ranks)."""
@@ -157,9 +282,13 @@ class TieredIndex:
         return total
 
     def clear_worker(self, worker_id: int) -> None:
-        """Drop every block of every rank of a worker, on every tier; it stays known."""
+        """Drop every block of every rank of a worker, on every tier, and what it was
+        expected to store (a new incarnation holds nothing); it stays known."""
         for rank in self._ranks.get(worker_id, ()):
             self._core.clear_slot(self._slot_of[(worker_id, rank)])
+        for key, slot in self._named.items():
+            if key[0] == worker_id:
+                self._core.clear_slot(slot)
 
     def export_worker(self, worker_id: int) -> list[WorkerBlocks]:
         """Every block of a worker, per rank and tier (a rank with no block is exported

@@ -7,6 +7,7 @@ benchmarks' baselines, the reference models in tests)."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,7 +27,15 @@ from kvstream.router.active import (
 )
 from kvstream.router.core import Prompt, PromptTokens, decide
 from kvstream.router.errors import NoEligibleWorkerError, UnknownWorkerError
-from kvstream.router.index import PackedBlocks, TieredIndex, TierOverlap, WorkerBlocks, WorkerKey
+from kvstream.router.index import (
+    DEFAULT_EXPECTED_BLOCKS,
+    DEFAULT_EXPECTED_TTL_S,
+    PackedBlocks,
+    TieredIndex,
+    TierOverlap,
+    WorkerBlocks,
+    WorkerKey,
+)
 from kvstream.router.scheduler import CandidateScore, Schedule, SchedulerConfig, SchedulerOverrides
 
 
@@ -36,10 +45,20 @@ class RouterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     #: Active requests older than this are expired (§6).
     request_ttl_s: float = DEFAULT_TTL_S
+    #: A routed prompt's blocks are expected on its worker until the engine's events
+    #: confirm them, its request fails, or this long (s) has passed since it was routed
+    #: (issue 33; an engine without events is routed by them alone).
+    expected_ttl_s: float = DEFAULT_EXPECTED_TTL_S
+    #: Most blocks expected per worker rank whose registration gives no device capacity.
+    expected_blocks: int = DEFAULT_EXPECTED_BLOCKS
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not (self.expected_ttl_s > 0 and math.isfinite(self.expected_ttl_s)):
+            raise ValueError(f"expected_ttl_s must be a finite number > 0, got {self.expected_ttl_s}")
+        if self.expected_blocks < 0:
+            raise ValueError(f"expected_blocks must be >= 0, got {self.expected_blocks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +122,7 @@ class Router:
     ) -> None:
         self.config = config or RouterConfig()
         self._clock = clock
-        self._index = TieredIndex()
+        self._index = TieredIndex(self.config.expected_ttl_s, self.config.expected_blocks)
         #: The index's apply of an event still packed in a message (the fold's one path:
         #: bound here, not wrapped, so that it costs no extra call per event).
         self.apply_packed: Callable[..., str | None] = self._index.apply_packed
@@ -121,8 +140,16 @@ class Router:
         return self._index.apply(event)
 
     def apply_active(self, op: ActiveOp) -> None:
-        """Apply an active-sequence op (e.g. from a peer replica)."""
-        self._active.apply(op)
+        """Apply an active-sequence op (e.g. from a peer replica): an add also makes its
+        prompt's blocks expected on its worker, a refuted free takes them back."""
+        refuted = self._active.apply(op)
+        if type(op) is AddRequest:
+            seqs = op.sequence_hashes
+            self._index.expect(
+                WorkerKey(op.worker_id, op.dp_rank), seqs.data if type(seqs) is PackedHashes else seqs, op.timestamp
+            )
+        elif refuted is not None:
+            self._index.unexpect(refuted.worker, refuted.sequence_hashes)
 
     def workers(self) -> list[WorkerKey]:
         return self._index.workers()
@@ -158,9 +185,37 @@ class Router:
     def find_matches_by_tier(
         self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None
     ) -> dict[WorkerKey, TierOverlap]:
-        """Per worker rank with any match, the prompt's leading blocks on each tier
-        (TieredIndex.find_matches_by_tier)."""
+        """Per worker rank with any match, the prompt's leading blocks on each tier and
+        expected (TieredIndex.find_matches_by_tier), as of the clock."""
+        self._index.expire_expected(self._clock())
         return self._index.find_matches_by_tier(local_hashes, seq_hashes)
+
+    def expected_blocks(self) -> dict[WorkerKey, int]:
+        """Blocks expected per worker rank (routed there, not confirmed), as of the clock."""
+        self._index.expire_expected(self._clock())
+        return self._index.expected_counts()
+
+    def expected_total(self) -> int:
+        """Blocks expected over every worker rank (expired ones may linger until the
+        next decision or :meth:`expire_expected`)."""
+        return self._index.expected_total()
+
+    def set_expected_capacity(self, worker_id: int, ranks: Iterable[int], blocks: int | None) -> None:
+        """The device capacity of each rank of a worker in blocks (None: unknown): what
+        it may be expected to hold at most."""
+        for rank in ranks:
+            self._index.set_expected_capacity(WorkerKey(worker_id, rank), blocks)
+
+    def expire_expected(self, now: float | None = None) -> None:
+        """Drop the expected blocks older than their TTL at ``now`` (default: the clock),
+        and the slots of candidates left with none (the replica does it periodically)."""
+        self._index.expire_expected(self._clock() if now is None else now)
+        self._index.release_idle()
+
+    def forget_expected(self, worker_id: int) -> None:
+        """Drop what a worker the index does not know by its events is expected to hold
+        (it left the fleet)."""
+        self._index.forget(worker_id)
 
     def rejections(self) -> dict[str, int]:
         """The index's counters of rejected or skipped events (kvstream.router.index.REASONS)."""
@@ -307,9 +362,11 @@ class Router:
         self._active.apply(op)
         return op
 
-    def free(self, request_id: str) -> FreeRequest:
-        """The request finished or was cancelled; returns the op applied (to share)."""
-        op = FreeRequest(request_id, self._clock())
-        self._active.apply(op)
+    def free(self, request_id: str, refuted: bool = False) -> FreeRequest:
+        """The request finished or was cancelled (``refuted``: before its prompt was
+        computed, so its blocks are no longer expected on its worker); returns the op
+        applied (to share)."""
+        op = FreeRequest(request_id, self._clock(), refuted)
+        self.apply_active(op)
         return op
 

@@ -72,6 +72,9 @@ class SchedulerConfig:
     #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
     #: its own ("worker": for a fleet of unequal GPUs).
     ttft_rate_scope: str = _option("fleet", choices=RATE_SCOPES)
+    #: The share of an expected block (routed to the worker, not yet confirmed by its
+    #: events) counted as cached, under either policy.
+    expected_cache_hit_weight: float = _option(1.0, per_request=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -185,7 +188,7 @@ class Candidates:
     for every request: one numpy pass instead of a Python loop per worker)."""
 
     workers: tuple[WorkerKey, ...]
-    #: (n, 4): device, host_pinned, disk, external blocks credited.
+    #: (n, 5): device, host_pinned, disk, external, expected blocks credited.
     overlaps: np.ndarray
     #: (n, 5): has load entry (0/1), active prefill tokens, active decode blocks,
     #: active requests, new blocks.

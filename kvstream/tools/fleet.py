@@ -186,8 +186,12 @@ class Scale:
     def max_tokens(self, req: Request) -> int:
         return max(1, math.ceil(req.output_length / self.factor))
 
+    def engine_blocks(self) -> int:
+        """G1 blocks per engine."""
+        return self.gpu_blocks or max(64, _GPU_BLOCKS // self.factor)
+
     def engine_flags(self) -> list[str]:
-        blocks = self.gpu_blocks or max(64, _GPU_BLOCKS // self.factor)
+        blocks = self.engine_blocks()
         return [
             "--num-gpu-blocks", str(blocks),
             "--num-cpu-blocks", str(_CPU_BLOCKS // self.factor if self.cpu_blocks is None else self.cpu_blocks), "--max-model-len", str(blocks * self.block_size // 2),
@@ -273,6 +277,9 @@ class Replica:
     snapshot_dir: Path
     #: The engines' tokenizer.json: the gateway tokenizes text with it (None: on an engine).
     tokenizer: Path | None = None
+    #: Engines given in ``[[gateway.workers]]`` (id, URL, device blocks), for a fleet
+    #: without bridges: routed by predicted blocks alone (approximate mode).
+    static: tuple[tuple[int, str, int], ...] = ()
     port: int = field(default_factory=free_port)
     proc: ManagedProcess | None = None
 
@@ -283,17 +290,20 @@ class Replica:
     def start(self, restart: bool = False) -> None:
         cmd = [*_CLI, "router", "--bootstrap", self.bootstrap, "--port", str(self.port),
                "--snapshot-dir", str(self.snapshot_dir)]
+        toml = ["[gateway]"]
         if self.tokenizer is not None:
             # The engines' own tokenizer.json: no /tokenize round trip per text prompt.
-            config = self.snapshot_dir.with_name(self.snapshot_dir.name + ".toml")
-            config.write_text(f'[gateway]\ntokenize = "local"\n[[gateway.models]]\nname = "{MODEL}"\n'
-                              f"tokenizer = {str(self.tokenizer)!r}\n")
-            cmd += ["--config", str(config)]
+            toml += ['tokenize = "local"', "[[gateway.models]]", f'name = "{MODEL}"', f"tokenizer = {str(self.tokenizer)!r}"]
+        for wid, url, blocks in self.static:
+            toml += ["[[gateway.workers]]", f"id = {wid}", f'url = "{url}"', f'models = ["{MODEL}"]',
+                     f"kv_capacity_blocks = {blocks}"]
+        config = self.snapshot_dir.with_name(self.snapshot_dir.name + ".toml")
+        config.write_text("\n".join(toml) + "\n")
+        cmd += ["--config", str(config)]
         env = kafka_env(self.prefix, {
             "KVSTREAM_ROUTER__POLICY": self.policy,
             "KVSTREAM_ROUTER__BLOCK_SIZE": "16",
             "KVSTREAM_REPLICA__SNAPSHOT_EVERY_S": "2",
-            **({} if self.tokenizer is not None else {"KVSTREAM_GATEWAY__TOKENIZE": "engine"}),
         })
         self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart)
 
@@ -466,8 +476,16 @@ def replay(
     pooled connections are dead); ``on_sent(i)``
     and ``on_done(i)`` run in the event loop as request ``i`` leaves and ends (keep
     them short). ``text``: prompts as words (:meth:`Scale.text`), not token ids."""
-    outcomes, seconds = asyncio.run(_replay(requests, scale, choose, on_sent, on_done, timeout, concurrency, text))
-    return summarize(outcomes, seconds)
+    return summarize(*replay_outcomes(requests, scale, choose, on_sent, on_done, timeout, concurrency, text))
+
+
+def replay_outcomes(
+    requests: Sequence[Request], scale: Scale, choose: Callable[[int], str],
+    on_sent: Callable[[int], None] | None = None, on_done: Callable[[int], None] | None = None,
+    timeout: float = 60.0, concurrency: int = 512, text: bool = False,
+) -> tuple[list[Outcome], float]:
+    """:func:`replay`'s outcomes, one per request in order, and the seconds it took."""
+    return asyncio.run(_replay(requests, scale, choose, on_sent, on_done, timeout, concurrency, text))
 
 
 def loadavg() -> str:

@@ -104,19 +104,25 @@ def serving(replica: Replica, backends: Sequence[Backend | str], tokenizers: Map
         t.join(10)
 
 
-def publish_prefix(replica: Replica, worker_id: int, token_ids: list[int], lora: str | None = None, rank: int = 0) -> None:
+def publish_prefix(replica: Replica, worker_id: int, token_ids: list[int], lora: str | None = None, rank: int = 0,
+                   also: Sequence[list[int]] = ()) -> None:
     """The worker stores the prompt's full blocks (hashed as kvstream.hashing hashes the
-    token ids, with the LoRA adapter's name if any), through the real broker, and the
-    replica has folded them."""
+    token ids, with the LoRA adapter's name if any), and those of the prompts ``also``,
+    through the real broker (a new incarnation: nothing else), and the replica has
+    folded them."""
     w = FakeWorkerLog(worker_id, ranks=rank + 1)
-    local, seq = block_hashes(token_ids, lora_name=lora)
     cleared = w.cleared(rank)
-    stored = Stored(worker_id, rank, Tier.DEVICE, w.epoch, cleared.event_id + 1, None, tuple(seq), tuple(local))
-    produce(replica.settings, [(worker_id, w.batch(cleared, stored))])
+    events, held = [cleared], set()
+    for prompt in (token_ids, *also):
+        local, seq = block_hashes(prompt, lora_name=lora)
+        events.append(Stored(worker_id, rank, Tier.DEVICE, w.epoch, cleared.event_id + len(events), None, tuple(seq), tuple(local)))
+        held.update(seq)
+    blocks = len(held)
+    produce(replica.settings, [(worker_id, w.batch(*events))])
 
     def folded() -> bool:
         ranks = replica.workers_view()["workers"].get(str(worker_id), {}).get("ranks", {})
-        return sum(ranks.get(str(rank), {}).values()) >= len(seq)
+        return sum(ranks.get(str(rank), {}).values()) >= blocks
 
     wait_until(folded, "the replica never folded the worker's blocks")
 

@@ -207,11 +207,15 @@ def test_a_worker_that_sends_nothing_times_out_and_the_request_goes_elsewhere(re
         wait_until(lambda: load_of(replica, s.ids[0]) == load_of(replica, s.ids[1]) == 0, "load left behind")
 
 
-def test_text_is_tokenized_by_one_engine_when_asked(replica: Replica, prompt_tokenizer) -> None:
+@pytest.mark.parametrize("mode", ["engine", "auto"])
+def test_text_is_tokenized_by_one_engine_when_asked(replica: Replica, prompt_tokenizer, mode: str) -> None:
+    """``engine``, and ``auto`` (the default) for a model with no local tokenizer: text
+    works at first contact, as with every peer router."""
     text = "A prompt that only the engines can tokenize, long enough for blocks. " * 6
     token_ids = prompt_tokenizer.completion_ids(text)
     engines = [Backend(n, tokenize=prompt_tokenizer.completion_ids) for n in "abc"]
-    with running(*engines) as backends, serving(replica, backends, tokenize="engine") as s:
+    opts = {} if mode == "auto" else {"tokenize": mode}
+    with running(*engines) as backends, serving(replica, backends, **opts) as s:
         publish_prefix(replica, s.ids[2], token_ids)
         r = s.client().completions.with_raw_response.create(model=MODEL, prompt=text)
         assert r.headers["x-kvstream-worker"] == str(s.ids[2])
@@ -250,18 +254,20 @@ def test_breaker_opens_after_failures_and_closes_after_a_trial(replica: Replica)
     with running(Backend("a", mode="fail"), Backend("b")) as (a, b), \
             serving(replica, [a, b], breaker_failures=2, breaker_cooldown_s=0.5) as s:
         a_id, b_id = s.ids
-        publish_prefix(replica, a_id, prompt)
         client = s.client()
-        for _ in range(2):  # each fails over to b
-            assert client.completions.with_raw_response.create(model=MODEL, prompt=prompt).headers["x-kvstream-worker"] == str(b_id)
+        # Each prompt is held by a alone (one that b served is expected on b after it).
+        longer = prompt + ids(50)
+        publish_prefix(replica, a_id, prompt, also=(ids(51), ids(52), longer))
+        for p in (prompt, ids(51)):  # each fails over to b
+            assert client.completions.with_raw_response.create(model=MODEL, prompt=p).headers["x-kvstream-worker"] == str(b_id)
         assert metric(s, "kvstream_gateway_breaker_state", worker=str(a_id)) == 1
-        client.completions.create(model=MODEL, prompt=prompt)
+        client.completions.create(model=MODEL, prompt=ids(52))
         assert len(a.requests()) == 2  # open: a is not tried though it holds the prefix
         a.mode = "ok"
         time.sleep(0.6)  # the cool-down: one trial may go to a
-        assert client.completions.with_raw_response.create(model=MODEL, prompt=prompt).headers["x-kvstream-worker"] == str(a_id)
+        assert client.completions.with_raw_response.create(model=MODEL, prompt=longer).headers["x-kvstream-worker"] == str(a_id)
         assert metric(s, "kvstream_gateway_breaker_state", worker=str(a_id)) == 0
-        assert client.completions.with_raw_response.create(model=MODEL, prompt=prompt).headers["x-kvstream-worker"] == str(a_id)
+        assert client.completions.with_raw_response.create(model=MODEL, prompt=longer).headers["x-kvstream-worker"] == str(a_id)
 
 
 def test_active_health_takes_a_worker_out_until_it_recovers(replica: Replica) -> None:
@@ -347,7 +353,7 @@ def test_over_the_limit_a_request_waits_in_line_for_a_slot(replica: Replica) -> 
     ],
 )
 def test_bad_bodies_get_openai_errors(replica: Replica, body: bytes, status: int, param: str | None, code: str | None) -> None:
-    with running(Backend("a")) as (a,), serving(replica, [a], max_prompt_tokens=64) as s:
+    with running(Backend("a")) as (a,), serving(replica, [a], max_prompt_tokens=64, tokenize="local") as s:
         r = httpx.post(f"{s.base_url}/v1/completions", content=body, headers=AUTH)
         assert r.status_code == status, r.text
         error = r.json()["error"]

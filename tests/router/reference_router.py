@@ -54,7 +54,7 @@ class Candidates(CoreCandidates):
         n = len(rows)
         return cls(
             tuple(c[0] for c in rows),
-            np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 4),
+            np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 5),
             np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
         )
 
@@ -142,6 +142,14 @@ class ActiveSequences:
             self._free(self._get(op.request_id, "free"))
         else:
             raise TypeError(f"not an active-sequence operation: {op!r}")
+
+    def get(self, request_id: str) -> _Request:
+        return self._get(request_id, "free")
+
+    def held_blocks(self, key: WorkerKey) -> Counter[int]:
+        """The blocks held by the requests running on ``key``."""
+        ld = self._loads.get(key)
+        return ld.blocks if ld is not None else Counter()
 
     def _get(self, request_id: str, what: str) -> _Request:
         req = self._requests.get(request_id)
@@ -265,12 +273,13 @@ def worker_logits(
     cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates
 ) -> LogitColumns:
     """The §5 formula, term by term, for every candidate at once."""
-    dev, host, disk, ext = c.overlaps.T
+    dev, host, disk, ext, exp = c.overlaps.T
     has_load, apt, adb, reqs, new_blocks = c.loads.T
     credit = (
         cfg.overlap_score_credit * dev
         + cfg.host_cache_hit_weight * host
         + cfg.disk_cache_hit_weight * (disk + ext)
+        + cfg.expected_cache_hit_weight * exp
     )
     # Round half away from zero (the reference's f64::round); credit >= 0.
     cached = np.floor(credit * block_size + 0.5)
@@ -354,10 +363,10 @@ COSTS: dict[str, Cost] = {"kv": kv_cost, "ttft": ttft_cost}
 def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
     """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
     first token, plus the weighted delay its uncached prefill puts on later requests."""
-    dev, host, disk, ext = c.overlaps.T.astype(np.float64)
+    dev, host, disk, ext, exp = c.overlaps.T.astype(np.float64)
     has_load, apt = c.loads.T[0], c.loads.T[1]
     ahead = np.where(has_load != 0, apt, 0).astype(np.float64)
-    uncached = np.maximum(isl - (dev + host + disk + ext) * block_size, 0.0)
+    uncached = np.maximum(isl - (dev + host + disk + ext + cfg.expected_cache_hit_weight * exp) * block_size, 0.0)
     onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
     per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
@@ -449,7 +458,7 @@ class ReferenceRouter:
     ) -> None:
         self.config = config or RouterConfig()
         self.clock = clock
-        self.index = TieredIndex()
+        self.index = TieredIndex(self.config.expected_ttl_s, self.config.expected_blocks)
         self.active = ActiveSequences(self.config.request_ttl_s, clock)
         self.scheduler = Scheduler(self.config.scheduler, rng)
 
@@ -482,8 +491,13 @@ class ReferenceRouter:
     def prefill_done(self, request_id: str) -> None:
         self.active.apply(PrefillDone(request_id, self.clock()))
 
-    def free(self, request_id: str) -> None:
-        self.active.apply(FreeRequest(request_id, self.clock()))
+    def free(self, request_id: str, refuted: bool = False) -> None:
+        req = self.active.get(request_id)
+        self.active.apply(FreeRequest(request_id, self.clock(), refuted))
+        if refuted:
+            # The prompt's blocks no other request running on its worker holds.
+            still = self.active.held_blocks(req.key)
+            self.index.unexpect(req.key, [h for h in req.hashes if h not in still])
 
     def find_best_match(
         self,
@@ -514,6 +528,7 @@ class ReferenceRouter:
             cached = int(schedule.columns.cached_tokens[schedule.chosen])
             op = AddRequest(request_id, winner.worker_id, winner.dp_rank, isl, cached, tuple(seqs), now)
             self.active.apply(op)
+            self.index.expect(winner, seqs, now)
         return RouteDecision(winner, request_id, isl, len(seqs), schedule, op)
 
     def schedule_hashes(
@@ -534,13 +549,14 @@ class ReferenceRouter:
             raise NoEligibleWorkerError("no candidate worker was given")
         active = self.active
         active.expire(now)
+        self.index.expire_expected(self.clock() if now is None else now)
         overlaps = self.index.find_matches_by_tier(local_hashes, seq_hashes)
         n = len(keys)
         flat = chain.from_iterable
         sched = self.scheduler.config.with_overrides(overrides)
         cands = Candidates(
             keys,
-            np.fromiter(flat(overlaps.get(k, TierOverlap()) for k in keys), np.int64, 4 * n).reshape(n, 4),
+            np.fromiter(flat(overlaps.get(k, TierOverlap()) for k in keys), np.int64, 5 * n).reshape(n, 5),
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
             np.array(active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope), dtype=np.float64),
             active.rates.decode_slowdown(),

@@ -84,6 +84,7 @@ def config(rng: random.Random) -> SchedulerConfig:
         ttft_disk_onboard_ratio=rng.choice([0.5, 0.9]),
         ttft_recompute_weight=rng.choice([0.5, 0.0, 2.0]),
         ttft_rate_scope=rng.choice(["fleet", "worker"]),
+        expected_cache_hit_weight=rng.choice([1.0, 1.0, 0.5, 0.0]),
     )
 
 
@@ -134,8 +135,9 @@ def test_core_decides_as_the_reference(seed: int) -> None:
     convs = conversations(rng)
     cfg = config(rng)
     clock = Clock()
-    ref = ReferenceRouter(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0), clock=clock, rng=random.Random(seed))
-    core = Router(RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0), clock=clock, rng=random.Random(seed))
+    rc = RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0, expected_ttl_s=30.0, expected_blocks=rng.choice([4, 64]))
+    ref = ReferenceRouter(rc, clock=clock, rng=random.Random(seed))
+    core = Router(rc, clock=clock, rng=random.Random(seed))
     for ev in fleet_events(rng, convs):
         assert ref.apply_event(ev) == core.apply_event(ev)  # type: ignore[arg-type]
     active: list[str] = []
@@ -180,9 +182,13 @@ def test_core_decides_as_the_reference(seed: int) -> None:
                     assert (logged.op, logged.blocks) == (None, len(seqs))
         elif roll < 8 and active:
             rid = active.pop(rng.randrange(len(active))) if roll == 7 else rng.choice(active)
+            refuted = rng.random() < 0.5
             for r in (ref, core):
                 try:
-                    (r.free if roll == 7 else r.prefill_done)(rid)
+                    if roll == 7:
+                        r.free(rid, refuted)
+                    else:
+                        r.prefill_done(rid)
                 except RouterError:
                     pass  # expired meanwhile: both must say so (checked by the state below)
         elif roll == 8:
@@ -192,6 +198,8 @@ def test_core_decides_as_the_reference(seed: int) -> None:
             if ref.knows(w):
                 assert ref.remove_worker(w) == core.remove_worker(w)
         assert ref.active_requests() == core.active_requests()
+        ref.index.expire_expected(clock.now)
+        assert ref.index.expected_counts() == core.expected_blocks()
         for key in {*ref.workers(), *given}:
             assert ref.load(key) == core.load(key)
         # The ttft policy's learned rates are folded from the same ops.

@@ -1,6 +1,7 @@
 """The fast tier index against the reference model, after every event of random
 sequences (many workers, ranks and tiers; interleaved stores, removes, clears, worker
-removals and bad events)."""
+removals and bad events; prompts routed to workers and expected there, refuted, expiring
+on a clock that moves on and skews, bounded by capacities)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,23 @@ N_BLOCK_HASHES = 40  # small pools, so that parents, repeats and unknown removes
 N_TOKENS_HASHES = 3  # small alphabet, so that workers share prefixes
 
 
+#: The expectations' TTL in the sequences (the clock moves 0-3 per step).
+TTL = 12.0
+
+
 def gen_step(pick: Pick, ref: ReferenceIndex, workers: int) -> object:
-    """One step: a router event, or ("remove_worker", id)."""
+    """One step: a router event, or ("remove_worker", id), ("expect", key, prompt, t
+    back), ("unexpect", key, prompt), ("cap", key, cap)."""
     worker, rank = pick(0, workers - 1), pick(0, 2)
     tier = TIERS[pick(0, len(TIERS) - 1)]
-    kind = pick(0, 99)
+    kind = pick(0, 119)
+    if kind >= 100:
+        key = WorkerKey(worker, rank)
+        if kind < 112:
+            return ("expect", key, gen_prompt(pick, ref), pick(0, 2) if pick(0, 3) == 0 else 0)
+        if kind < 117:
+            return ("unexpect", key, gen_prompt(pick, ref))
+        return ("cap", key, None if pick(0, 2) == 0 else pick(0, 6))
     if kind < 1:
         return ("remove_worker", worker)
     if kind < 3:
@@ -79,6 +92,7 @@ def check(
     """Compare the observable state: all of it, or when ``keys`` are given, the blocks
     (hence tree sizes) of those workers only."""
     assert set(fast.workers()) == ref.known
+    assert fast.expected_counts() == ref.expected_counts()
     if keys is None:
         assert fast.tree_sizes() == ref.tree_sizes()
     assert {r: fast.counters[r] for r in REASONS} == {r: ref.counters[r] for r in REASONS}
@@ -97,17 +111,32 @@ def check(
 
 
 def run_sequence(pick: Pick, steps: int, workers: int, prompts_per_step: int) -> None:
-    fast, ref = TieredIndex(), ReferenceIndex()
+    fast, ref = TieredIndex(TTL, 8), ReferenceIndex(TTL, 8)
+    now = 0.0
     for i in range(steps):
+        now += pick(0, 3)
         step = gen_step(pick, ref, workers)
-        if isinstance(step, tuple):
+        touched: set[WorkerKey] = set()
+        if isinstance(step, tuple) and step[0] == "remove_worker":
             fast.remove_worker(step[1])
             ref.remove_worker(step[1])
-            touched = set()
+        elif isinstance(step, tuple) and step[0] == "expect":
+            _, key, local, back = step
+            fast.expect(key, sequence_hashes(local), now - back)
+            ref.expect(key, local, now - back)
+        elif isinstance(step, tuple) and step[0] == "unexpect":
+            fast.unexpect(step[1], sequence_hashes(step[2]))
+            ref.unexpect(step[1], step[2])
+        elif isinstance(step, tuple):
+            fast.set_expected_capacity(step[1], step[2])
+            ref.set_cap(step[1], step[2])
         else:
             fast.apply(step)  # type: ignore[arg-type]
             ref.apply(step)  # type: ignore[arg-type]
             touched = {WorkerKey(step.worker_id, step.dp_rank)}  # type: ignore[attr-defined]
+        if pick(0, 2) == 0:
+            fast.expire_expected(now)
+            ref.expire(now)
         # Every step: the touched worker's blocks and the matches; every 50: everything.
         prompts = [gen_prompt(pick, ref) for _ in range(prompts_per_step)]
         check(fast, ref, prompts, None if i % 50 == 49 else touched)

@@ -33,12 +33,13 @@ def reference_ttft(
     ahead = c.active_prefill_tokens if c.has_load else 0
     decode = c.active_decode_blocks if c.has_load else 0
     per_token = 1 / rate + slowdown * decode
-    uncached = max(isl - (o.device + o.host_pinned + o.disk + o.external) * bs, 0)
+    stored = o.device + o.host_pinned + o.disk + o.external
+    uncached = max(isl - (stored + cfg.expected_cache_hit_weight * o.expected) * bs, 0)
     onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
     return (ahead + uncached + onboard) * per_token + cfg.ttft_recompute_weight * busy * uncached * per_token
 
 
-overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(4)))
+overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(5)))
 candidates = st.builds(
     Candidate,
     st.builds(WorkerKey, st.integers(0, 1000), st.integers(0, 3)),

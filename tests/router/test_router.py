@@ -179,8 +179,14 @@ def test_candidates_limit_the_choice_and_admit_unindexed_workers(router: type, p
     d = r.find_best_match(PROMPT, request_id="r1", candidates=[WorkerKey(7, 0)])
     assert d.worker == WorkerKey(7, 0) and d.op is not None and d.op.overlap_tokens == 0
     assert r.load(WorkerKey(7, 0)) is not None
-    d = r.find_best_match(PROMPT, query_only=True, candidates=[WorkerKey(7, 0), WorkerKey(8, 0)])
+    other = [t + 5000 for t in PROMPT]  # shares nothing with PROMPT: the load decides
+    d = r.find_best_match(other, query_only=True, candidates=[WorkerKey(7, 0), WorkerKey(8, 0)])
     assert d.worker == WorkerKey(8, 0)
+    # PROMPT itself is expected on 7 now (routed there, unconfirmed): under ttft its wait
+    # behind r1 beats computing it afresh on 8; under kv the two tie (r1's load there).
+    d = r.find_best_match(PROMPT, query_only=True, candidates=[WorkerKey(7, 0), WorkerKey(8, 0)])
+    assert d.overlaps[WorkerKey(7, 0)] == TierOverlap(expected=8)
+    assert d.worker == WorkerKey(7, 0) if policy == "ttft" else d.logits[WorkerKey(7, 0)] == d.logits[WorkerKey(8, 0)]
     r.free("r1")
     # The index's own workers are untouched by what was given.
     assert r.workers() == [WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(2, 1)]

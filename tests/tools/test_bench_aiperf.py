@@ -44,8 +44,8 @@ def test_aiperf_through_a_replica_agrees_with_the_engines(kafka_bootstrap: str, 
     reqs, _ = fleet.load_requests(fleet.default_trace(), 40, 8.0)
     engines = fleet.start_engines(2, scale, 4.0)
     try:
-        with front("kvstream-kv", engines, kafka_bootstrap, tmp_path, scale.tokenizer) as (targets, _procs):
-            summary, extra = AiperfReplayer().replay(reqs, scale, targets, tmp_path / "replay")
+        with front("kvstream-kv", engines, kafka_bootstrap, tmp_path, scale) as fr:
+            summary, extra, outcomes = AiperfReplayer().replay(reqs, scale, fr.targets, tmp_path / "replay")
         served = [_metric(e.url, "vllm:request_success_total") for e in engines]
         prompt = sum(_metric(e.url, "vllm:prompt_tokens_total") for e in engines)
         hits = sum(_metric(e.url, "vllm:prefix_cache_hits_total") for e in engines)
@@ -63,6 +63,10 @@ def test_aiperf_through_a_replica_agrees_with_the_engines(kafka_bootstrap: str, 
     assert summary.cached_token_share == pytest.approx(hits / prompt, abs=1e-9)
     assert summary.ttft_p50_ms <= summary.ttft_p99_ms <= summary.e2e_p99_ms
     assert extra["replay_sched_lag_p99_ms"] is not None
+    # Its per-request records (the halves of a run) add up to the engines' counters.
+    assert len(outcomes) == len(reqs) and all(o.ok for o in outcomes)
+    assert sum(o.prompt_tokens for o in outcomes) == prompt
+    assert sum(o.cached_tokens for o in outcomes) == hits
 
 
 @pytest.mark.timeout(300)
@@ -74,10 +78,12 @@ def test_aiperf_counts_the_requests_a_target_refuses(tmp_path: Path) -> None:
     # Every other request goes to a port nobody listens on.
     refused = f"http://127.0.0.1:{free_port()}"
     try:
-        summary, _ = AiperfReplayer(timeout_s=10).replay(reqs, scale, [engines[0].url, refused], tmp_path)
+        summary, _, outcomes = AiperfReplayer(timeout_s=10).replay(reqs, scale, [engines[0].url, refused], tmp_path)
         served = _metric(engines[0].url, "vllm:request_success_total")
     finally:
         fleet.stop_all([e.proc for e in engines])
     assert summary.requests == len(reqs)
     assert summary.failed == len(reqs) // 2 == len(reqs) - served
     assert any("Connect" in e for e in summary.errors), summary.errors
+    # Each record is its request's: the ones sent to the refused port failed.
+    assert [o.ok for o in outcomes] == [i % 2 == 0 for i in range(len(reqs))]

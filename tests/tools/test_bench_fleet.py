@@ -26,10 +26,13 @@ def test_bench_fleet_quick(kafka_bootstrap: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert set(out["routers"]) == set(ROUTERS)
-    for router, loads in out["routers"].items():
+    routers = out["traces"]["conversation"]["routers"]
+    assert set(routers) == set(ROUTERS)
+    for router, loads in routers.items():
         for row in loads.values():
             assert KEYS <= set(row), router
-            assert row["requests"] == out["requests"] and row["failed"] == 0, (router, row)
-    kv, rr = out["routers"]["kvstream-kv"]["1x"], out["routers"]["round_robin"]["1x"]
+            assert row["requests"] == out["requests"] and row["failed"] == 0 == row["shed_rate"], (router, row)
+            halves = row["halves"]
+            assert halves["first"]["requests"] + halves["second"]["requests"] == out["requests"]
+    kv, rr = routers["kvstream-kv"]["1x"], routers["round_robin"]["1x"]
     assert kv["cached_token_share"] >= rr["cached_token_share"] > 0

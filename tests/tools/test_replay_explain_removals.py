@@ -1,6 +1,8 @@
 """``replay explain`` agrees with the live router across worker expiries and restarts
-with requests in flight: the live fold's ``Router.remove_worker`` drops an expired
-worker's requests, and replay drops them at the same point among the active ops.
+with requests in flight, and with the blocks predicted by routed requests: the live
+fold's ``Router.remove_worker`` drops an expired worker's requests, a new incarnation
+drops its predictions, a store confirms them, and replay folds the records and the
+active ops in the same order.
 
 The live side is the replica's own pieces in the order a caught-up replica runs them:
 the events fold (records in time order) and the router taking requests in between;
@@ -26,7 +28,7 @@ from kvstream.router import Router
 from kvstream.router.errors import NoEligibleWorkerError, RouterError
 from kvstream.router.explain import decision_dict
 from kvstream.settings import Settings
-from kvstream.tools.replay.explain import LoggedOp, decide_logged
+from kvstream.tools.replay.explain import LoggedOp, decide_logged, ops_before
 from kvstream.tools.replay.rebuild import fold_records, new_fold
 from kvstream.tools.replay.reader import Record
 
@@ -92,11 +94,10 @@ class Live:
 
 def replayed(live: Live, rid: str) -> dict[str, Any]:
     logged = next(o for o in live.ops if o.op.request_id == scoped(REPLICA, rid) and hasattr(o.op, "isl"))
-    removals: list[tuple[int, int]] = []
-    fold = new_fold(SETTINGS, logged.timestamp_ms / 1000, removals=removals)
-    fold_records(fold, [r for r in live.records if r.timestamp_ms <= logged.timestamp_ms])
-    decision, _, _ = decide_logged(fold.router, removals, live.ops, logged)
-    return decision_dict(decision, explain=True)
+    fold = new_fold(SETTINGS, logged.timestamp_ms / 1000)
+    records = [r for r in live.records if r.timestamp_ms <= logged.timestamp_ms]
+    fold_records(fold, records, ops_before(live.ops, logged, router_config(SETTINGS)))
+    return decision_dict(decide_logged(fold.router, logged), explain=True)
 
 
 def by_worker(d: dict[str, Any]) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::expect::Expect;
 use crate::table::Table;
 use crate::{chain, sequence_of, u64_at};
 
@@ -46,6 +47,9 @@ impl Hasher for MixHasher {
 pub(crate) type Map<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
 
 const TIERS: usize = 4;
+/// What matching credits per slot: the tiers in order, then the expected blocks
+/// (expect.rs), which continue a prefix where the stored tiers stop.
+pub(crate) const COLS: usize = TIERS + 1;
 /// Per tier, the bitmask of the slots (of one group of 64) holding a position.
 type Masks = [u64; TIERS];
 type Owners = Map<u64, Masks>;
@@ -101,7 +105,8 @@ impl Tier {
         }
     }
 
-    fn store(&mut self, owners: &mut Owners, t: usize, slot: usize, parent: Option<u64>, hashes: &[u64], tokens: &[u64]) -> u8 {
+    #[allow(clippy::too_many_arguments)]
+    fn store(&mut self, owners: &mut Owners, expect: &mut Expect, t: usize, slot: usize, parent: Option<u64>, hashes: &[u64], tokens: &[u64]) -> u8 {
         let n = hashes.len();
         if n == 0 || n != tokens.len() {
             return INVALID;
@@ -132,6 +137,7 @@ impl Tier {
         let blocks = &mut self.blocks[slot];
         let aliases = &mut self.aliases;
         for (&bh, &s) in hashes.iter().zip(&seqs) {
+            expect.drop_position(slot, s); // confirmed: the index holds it now
             if let Some(old) = blocks.insert(bh, s) {
                 if old == s {
                     continue; // stored again at the same position: nothing changes
@@ -180,7 +186,7 @@ impl Tier {
     }
 
     /// Install a slot's blocks as exported (a snapshot); the slot must hold none here.
-    fn import(&mut self, owners: &mut Owners, t: usize, slot: usize, hashes: &[u64], seqs: &[u64]) -> Result<(), String> {
+    fn import(&mut self, owners: &mut Owners, expect: &mut Expect, t: usize, slot: usize, hashes: &[u64], seqs: &[u64]) -> Result<(), String> {
         if hashes.len() != seqs.len() {
             return Err(format!("{} block hashes but {} sequence hashes", hashes.len(), seqs.len()));
         }
@@ -201,6 +207,7 @@ impl Tier {
         let bit = 1u64 << (slot % 64);
         let mut aliases: Map<u64, u32> = Map::default();
         for &s in seqs {
+            expect.drop_position(slot, s);
             let m = owners.entry(s).or_insert([0; TIERS]);
             if m[t] & bit != 0 {
                 *aliases.entry(s).or_insert(0) += 1;
@@ -249,6 +256,15 @@ pub struct IndexCore {
     tiers: [Tier; TIERS],
     /// Per group of 64 slots: the slots in use.
     known: Vec<u64>,
+    /// Blocks expected on slots because requests were routed there (expect.rs).
+    pub(crate) expect: Expect,
+}
+
+fn check_ttl(ttl: f64) -> PyResult<()> {
+    if !(ttl > 0.0 && ttl.is_finite()) {
+        return Err(PyValueError::new_err(format!("expected_ttl_s must be a finite number > 0, got {ttl}")));
+    }
+    Ok(())
 }
 
 fn check_tier(tier: usize) -> PyResult<()> {
@@ -259,6 +275,25 @@ fn check_tier(tier: usize) -> PyResult<()> {
 }
 
 impl IndexCore {
+    /// How many leading positions of `seqs` matching credits to the slot on its tiers
+    /// (the walk's rule for one slot: the device prefix, continued on each lower tier in
+    /// turn).
+    pub(crate) fn held_prefix(&self, slot: usize, seqs: &[u64]) -> usize {
+        let Some(owners) = self.owners.get(slot / 64) else { return 0 };
+        let bit = 1u64 << (slot % 64);
+        let mut t = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            let m = owners.get(s).copied().unwrap_or([0; TIERS]);
+            while t < TIERS && m[t] & bit == 0 {
+                t += 1;
+            }
+            if t == TIERS {
+                return i;
+            }
+        }
+        seqs.len()
+    }
+
     fn owners_of(&mut self, slot: usize) -> &mut Owners {
         let group = slot / 64;
         if self.owners.len() <= group {
@@ -270,9 +305,13 @@ impl IndexCore {
 
 #[pymethods]
 impl IndexCore {
+    /// `expected_ttl_s`: how long a prediction lives unconfirmed; `expected_cap`: most
+    /// expected positions per slot unless `set_expected_cap` says otherwise.
     #[new]
-    fn new() -> Self {
-        IndexCore { owners: Vec::new(), tiers: Default::default(), known: Vec::new() }
+    #[pyo3(signature = (expected_ttl_s=120.0, expected_cap=65_536))]
+    fn new(expected_ttl_s: f64, expected_cap: usize) -> PyResult<Self> {
+        check_ttl(expected_ttl_s)?;
+        Ok(IndexCore { owners: Vec::new(), tiers: Default::default(), known: Vec::new(), expect: Expect::new(expected_ttl_s, expected_cap) })
     }
 
     /// Mark a slot in use (a candidate for matching).
@@ -285,7 +324,7 @@ impl IndexCore {
         self.owners_of(slot);
     }
 
-    /// Forget every block of the slot on every tier and free it: O(its blocks).
+    /// Forget every block and expectation of the slot and free it: O(its blocks).
     fn remove_slot(&mut self, slot: usize) {
         self.clear_slot(slot);
         if let Some(k) = self.known.get_mut(slot / 64) {
@@ -293,8 +332,17 @@ impl IndexCore {
         }
     }
 
-    /// Forget every block of the slot on every tier; it stays in use.
+    /// Forget every block of the slot on every tier, and what it was expected to store
+    /// (an engine that restarted holds nothing); it stays in use.
     fn clear_slot(&mut self, slot: usize) {
+        self.drop_blocks(slot);
+        self.expect.clear(slot);
+    }
+
+    /// Forget every block of the slot on every tier, not its expectations (the worker's
+    /// events stopped: what routing predicts of it is the load log's, not the events'); it
+    /// stays in use.
+    fn drop_blocks(&mut self, slot: usize) {
         let Some(owners) = self.owners.get_mut(slot / 64) else { return };
         for (t, tier) in self.tiers.iter_mut().enumerate() {
             tier.drop_slot(owners, t, slot);
@@ -302,11 +350,66 @@ impl IndexCore {
     }
 
     /// Forget every block of the slot on one tier; it stays in use: O(its blocks there).
+    /// A device reset also drops what the slot was expected to compute there.
     fn clear_tier(&mut self, tier: usize, slot: usize) -> PyResult<()> {
         check_tier(tier)?;
+        if tier == 0 {
+            self.expect.clear(slot);
+        }
         let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(()) };
         self.tiers[tier].drop_slot(owners, tier, slot);
         Ok(())
+    }
+
+    /// Expect the prompt positions `sequence_hashes` (a list of ints or little-endian u64
+    /// bytes) on the slot, as routed at `routed_at` (expect.rs): those past its held
+    /// prefix, whose length is `held` when the caller knows it (a decision's overlap),
+    /// else found here.
+    #[pyo3(signature = (slot, sequence_hashes, routed_at, held=None))]
+    fn expect(&mut self, slot: usize, sequence_hashes: &Bound<'_, PyAny>, routed_at: f64, held: Option<usize>) -> PyResult<()> {
+        let seqs = crate::route::hashes_from(sequence_hashes)?;
+        self.add_slot(slot);
+        let held = held.unwrap_or_else(|| self.held_prefix(slot, &seqs));
+        self.expect.add(slot, &seqs, held, routed_at);
+        Ok(())
+    }
+
+    /// Stop expecting these positions on the slot (the request that predicted them
+    /// failed before its prompt was computed).
+    fn unexpect(&mut self, slot: usize, sequence_hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+        for pos in crate::route::hashes_from(sequence_hashes)? {
+            self.expect.drop_position(slot, pos);
+        }
+        Ok(())
+    }
+
+    /// Drop the expectations routed more than their TTL before `now`.
+    fn expire_expected(&mut self, now: f64) {
+        self.expect.expire(now);
+    }
+
+    /// The most positions the slot may be expected to hold (its engine's device
+    /// capacity, when known); None: the default.
+    #[pyo3(signature = (slot, cap=None))]
+    fn set_expected_cap(&mut self, slot: usize, cap: Option<usize>) {
+        self.expect.set_cap(slot, cap);
+    }
+
+    fn set_expected_limits(&mut self, ttl_s: f64, default_cap: usize) -> PyResult<()> {
+        check_ttl(ttl_s)?;
+        self.expect.set_ttl(ttl_s);
+        self.expect.set_default_cap(default_cap);
+        Ok(())
+    }
+
+    /// Positions expected on the slot.
+    fn expected_count(&self, slot: usize) -> usize {
+        self.expect.count(slot)
+    }
+
+    /// Positions expected over every slot.
+    fn expected_total(&self) -> usize {
+        self.expect.len()
     }
 
     /// Apply a stored event: 0 stored, 1 invalid (repeats its hashes or its parent),
@@ -323,7 +426,7 @@ impl IndexCore {
         check_tier(tier)?;
         self.owners_of(slot);
         let owners = &mut self.owners[slot / 64];
-        Ok(self.tiers[tier].store(owners, tier, slot, parent, &block_hashes, &tokens_hashes))
+        Ok(self.tiers[tier].store(owners, &mut self.expect, tier, slot, parent, &block_hashes, &tokens_hashes))
     }
 
     /// Apply a removed event; returns how many block hashes were not held (skipped).
@@ -352,7 +455,7 @@ impl IndexCore {
         let (hashes, tokens) = (packed_words(data, blocks_at, count)?, packed_words(data, tokens_at, count)?);
         self.owners_of(slot);
         let owners = &mut self.owners[slot / 64];
-        Ok(self.tiers[tier].store(owners, tier, slot, parent, &hashes, &tokens))
+        Ok(self.tiers[tier].store(owners, &mut self.expect, tier, slot, parent, &hashes, &tokens))
     }
 
     /// `remove` with the hashes still packed in a message (see `store_packed`).
@@ -396,7 +499,7 @@ impl IndexCore {
         self.owners_of(slot);
         let owners = &mut self.owners[slot / 64];
         self.tiers[tier]
-            .import(owners, tier, slot, &block_hashes, &seq_hashes)
+            .import(owners, &mut self.expect, tier, slot, &block_hashes, &seq_hashes)
             .map_err(PyValueError::new_err)
     }
 
@@ -423,11 +526,11 @@ impl IndexCore {
         self.owners_of(slot);
         let owners = &mut self.owners[slot / 64];
         self.tiers[tier]
-            .import(owners, tier, slot, &block_hashes, &seq_hashes)
+            .import(owners, &mut self.expect, tier, slot, &block_hashes, &seq_hashes)
             .map_err(PyValueError::new_err)
     }
 
-    /// Approximate bytes held by the hash tables.
+    /// Approximate bytes held by the hash tables (the expectations' included).
     fn heap_bytes(&self) -> usize {
         let owners: usize = self.owners.iter().map(|m| map_bytes(m.capacity(), 8 + 8 * TIERS)).sum();
         let tiers: usize = self
@@ -439,7 +542,7 @@ impl IndexCore {
                     + t.aliases.values().map(|m| map_bytes(m.capacity(), 12)).sum::<usize>()
             })
             .sum();
-        owners + tiers
+        owners + tiers + self.expect.heap_bytes()
     }
 
     /// Per slot with any match: (slot, (device, host_pinned, disk, external)) block counts
@@ -451,7 +554,8 @@ impl IndexCore {
     /// block is credited once. All slots of a group advance together, one position (one
     /// lookup) at a time, and the walk stops as soon as none extends, so the prompt's
     /// hashes are read from the list only as far as some worker matches.
-    fn find_matches(&self, hashes: &Bound<'_, PyList>, chained: bool) -> PyResult<Vec<(usize, (u32, u32, u32, u32))>> {
+    #[allow(clippy::type_complexity)]
+    fn find_matches(&self, hashes: &Bound<'_, PyList>, chained: bool) -> PyResult<Vec<(usize, (u32, u32, u32, u32, u32))>> {
         let mut seqs: Vec<u64> = Vec::with_capacity(hashes.len());
         let mut fill = |seqs: &mut Vec<u64>, end: usize| -> PyResult<()> {
             while seqs.len() < end {
@@ -464,7 +568,7 @@ impl IndexCore {
             Ok(())
         };
         let found = self.walk(hashes.len(), &mut seqs, &mut fill)?;
-        Ok(found.into_iter().map(|(s, c)| (s, (c[0], c[1], c[2], c[3]))).collect())
+        Ok(found.into_iter().map(|(s, c)| (s, (c[0], c[1], c[2], c[3], c[4]))).collect())
     }
 }
 
@@ -477,20 +581,21 @@ impl IndexCore {
         n: usize,
         seqs: &mut Vec<u64>,
         fill: &mut dyn FnMut(&mut Vec<u64>, usize) -> PyResult<()>,
-    ) -> PyResult<Vec<(usize, [u32; TIERS])>> {
+    ) -> PyResult<Vec<(usize, [u32; COLS])>> {
         let mut out = Vec::new();
         for (group, &known) in self.known.iter().enumerate() {
             if known == 0 || n == 0 {
                 continue;
             }
             let owners = &self.owners[group];
+            let expected = self.expect.group_masks(group);
             // on[t]: slots extending their prefix on tier t through the previous position.
-            let mut on: Masks = [known, 0, 0, 0];
+            let mut on = [known, 0, 0, 0, 0];
             let mut start = [0u32; 64];
-            let mut counts = [[0u32; TIERS]; 64];
+            let mut counts = [[0u32; COLS]; 64];
             let mut matched = 0u64;
             let mut i = 0usize;
-            let mut batch: Vec<Masks> = Vec::with_capacity(LOOKAHEAD);
+            let mut batch: Vec<[u64; COLS]> = Vec::with_capacity(LOOKAHEAD);
             let mut batch_start = 0usize;
             while i < n {
                 if i == batch_start + batch.len() {
@@ -499,13 +604,17 @@ impl IndexCore {
                     let end = (i + LOOKAHEAD).min(n);
                     fill(seqs, end)?;
                     batch.clear();
-                    batch.extend(seqs[i..end].iter().map(|s| owners.get(s).copied().unwrap_or([0; TIERS])));
+                    batch.extend(seqs[i..end].iter().map(|s| {
+                        let m = owners.get(s).copied().unwrap_or([0; TIERS]);
+                        let e = expected.and_then(|x| x.get(s).copied()).unwrap_or(0);
+                        [m[0], m[1], m[2], m[3], e]
+                    }));
                     batch_start = i;
                 }
                 let masks = batch[i - batch_start];
                 let mut moving = 0u64; // slots that stopped on the previous tier here
                 let mut alive = 0u64;
-                for t in 0..TIERS {
+                for t in 0..COLS {
                     let m = on[t] | moving;
                     let held = masks[t] & m;
                     let mut stopped = on[t] & !held;
@@ -530,7 +639,7 @@ impl IndexCore {
                 matched |= alive;
                 i += 1;
             }
-            for t in 0..TIERS {
+            for t in 0..COLS {
                 let mut still = on[t];
                 while still != 0 {
                     let b = still.trailing_zeros() as usize;

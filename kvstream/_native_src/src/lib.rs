@@ -13,6 +13,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 mod avro_check;
 mod event_decode;
 mod event_encode;
+mod expect;
 mod index;
 mod route;
 mod table;

@@ -10,7 +10,7 @@
 //! uniform draw. So the arithmetic below follows the reference's order of operations
 //! exactly (no reassociation, no fused multiply-add), and the draw walks the
 //! probabilities as its `_draw` does.
-use std::cmp::{Ordering, Reverse};
+use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 
 use pyo3::buffer::PyBuffer;
@@ -18,7 +18,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::index::{IndexCore, Map};
+use crate::expect::Stamp;
+use crate::index::{IndexCore, Map, COLS};
 use crate::{local_hashes_of, sequence_of, token_error, tokens_from_list};
 
 type Key = (i64, i64);
@@ -54,21 +55,6 @@ fn check_len(n: usize, max_tokens: usize) -> PyResult<()> {
         return Err(PyValueError::new_err(format!("prompt of {n} tokens exceeds the limit of {max_tokens}")));
     }
     Ok(())
-}
-
-/// A timestamp ordered totally (the expiry heap's key).
-#[derive(Clone, Copy, PartialEq)]
-struct Stamp(f64);
-impl Eq for Stamp {}
-impl PartialOrd for Stamp {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Stamp {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.0.total_cmp(&other.0)
-    }
 }
 
 struct Req {
@@ -132,6 +118,7 @@ struct Weights {
     ttft_host_onboard_ratio: f64,
     ttft_disk_onboard_ratio: f64,
     ttft_recompute_weight: f64,
+    expected_cache_hit_weight: f64,
 }
 
 impl Weights {
@@ -185,7 +172,7 @@ fn py_list(xs: &[i64]) -> String {
 struct Inputs<'a> {
     isl: i64,
     block_size: i64,
-    /// n×4 overlaps and n×5 loads, as in `Decision`.
+    /// n×5 overlaps and n×5 loads, as in `Decision`.
     overlaps: &'a [i64],
     loads: &'a [i64],
     n: usize,
@@ -216,6 +203,8 @@ struct TtftCost<'a> {
     host_ratio: f64,
     disk_ratio: f64,
     recompute_weight: f64,
+    /// The share of an expected block counted as cached.
+    expected_weight: f64,
 }
 
 impl Cost for TtftCost<'_> {
@@ -227,15 +216,11 @@ impl Cost for TtftCost<'_> {
         let recompute = self.recompute_weight * busy as f64 / n.max(1) as f64;
         (0..n)
             .map(|i| {
-                let (dev, host, disk, ext) = (
-                    x.overlaps[4 * i] as f64,
-                    x.overlaps[4 * i + 1] as f64,
-                    x.overlaps[4 * i + 2] as f64,
-                    x.overlaps[4 * i + 3] as f64,
-                );
+                let o = &x.overlaps[COLS * i..COLS * (i + 1)];
+                let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
                 let has = x.loads[5 * i] != 0;
                 let ahead = if has { x.loads[5 * i + 1] as f64 } else { 0.0 };
-                let uncached = (x.isl as f64 - (dev + host + disk + ext) * bs).max(0.0);
+                let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
                 let decode = if has { x.loads[5 * i + 2] } else { 0 };
                 let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
@@ -276,25 +261,29 @@ impl ActiveCore {
         true
     }
 
-    fn free_req(&mut self, rid: &str) -> bool {
-        let Some(req) = self.requests.remove(rid) else { return false };
+    /// Free a request: its worker, and the hashes of its prompt that no other request
+    /// running there holds (None when it was not active).
+    fn free_req(&mut self, rid: &str) -> Option<(Key, Vec<u64>)> {
+        let req = self.requests.remove(rid)?;
         let load = self.loads.get_mut(&req.key).expect("a request's worker has a load entry");
         load.prefill -= req.prefill;
         load.requests -= 1;
         if load.requests == 0 {
             self.loads.remove(&req.key); // its blocks go with it
-            return true;
+            return Some((req.key, req.hashes));
         }
-        for h in &req.hashes {
-            if let Some(c) = load.blocks.get_mut(h) {
+        let mut alone = Vec::new();
+        for &h in &req.hashes {
+            if let Some(c) = load.blocks.get_mut(&h) {
                 if *c == 1 {
-                    load.blocks.remove(h);
+                    load.blocks.remove(&h);
+                    alone.push(h);
                 } else {
                     *c -= 1;
                 }
             }
         }
-        true
+        Some((req.key, alone))
     }
 
     fn expire_at(&mut self, now: f64) -> Vec<String> {
@@ -350,9 +339,11 @@ struct Decision {
 fn logit_columns(w: &Weights, isl: i64, bs: i64, ov: &[i64], ld: &[i64], n: usize) -> Vec<f64> {
     let mut cols = vec![0f64; 7 * n];
     for i in 0..n {
-        let (dev, host, disk, ext) = (ov[4 * i], ov[4 * i + 1], ov[4 * i + 2], ov[4 * i + 3]);
+        let o = &ov[COLS * i..COLS * (i + 1)];
+        let (dev, host, disk, ext, exp) = (o[0], o[1], o[2], o[3], o[4]);
         let (has, apt, adb, reqs, new) = (ld[5 * i], ld[5 * i + 1], ld[5 * i + 2], ld[5 * i + 3], ld[5 * i + 4]);
-        let credit = w.overlap_score_credit * dev as f64 + w.host_cache_hit_weight * host as f64 + w.disk_cache_hit_weight * (disk + ext) as f64;
+        let credit = w.overlap_score_credit * dev as f64 + w.host_cache_hit_weight * host as f64 + w.disk_cache_hit_weight * (disk + ext) as f64
+            + w.expected_cache_hit_weight * exp as f64;
         let cached = (credit * bs as f64 + 0.5).floor();
         let prefill = if has != 0 {
             (apt as f64 + (isl as f64 - cached).max(0.0) + cached) / bs as f64
@@ -434,11 +425,11 @@ fn decide(
     for (i, (slot, _)) in keys.iter().enumerate() {
         row_of[*slot] = i;
     }
-    let mut overlaps = vec![0i64; 4 * n];
+    let mut overlaps = vec![0i64; COLS * n];
     for (slot, c) in found {
         if let Some(&i) = row_of.get(slot).filter(|&&i| i != usize::MAX) {
-            for t in 0..4 {
-                overlaps[4 * i + t] = c[t] as i64;
+            for t in 0..COLS {
+                overlaps[COLS * i + t] = c[t] as i64;
             }
         }
     }
@@ -458,6 +449,7 @@ fn decide(
             host_ratio: w.ttft_host_onboard_ratio,
             disk_ratio: w.ttft_disk_onboard_ratio,
             recompute_weight: w.ttft_recompute_weight,
+            expected_weight: w.expected_cache_hit_weight,
         }
         .costs(&inputs, &columns),
     };
@@ -489,7 +481,7 @@ fn decide(
 }
 
 /// Hashes given as a list of ints or as little-endian u64 bytes.
-fn hashes_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+pub(crate) fn hashes_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     match obj.cast::<PyBytes>() {
         Ok(b) => {
             let data = b.as_bytes();
@@ -550,9 +542,12 @@ impl ActiveCore {
         (true, seen)
     }
 
-    /// Free a request; False when not active.
-    fn free(&mut self, request_id: &str) -> bool {
-        self.free_req(request_id)
+    /// Free a request: None when not active, else its (worker_id, dp_rank) and the
+    /// prompt's sequence hashes (little-endian u64 bytes) no other request running there
+    /// holds (what a request that failed before its prompt was computed no longer
+    /// predicts there).
+    fn free<'py>(&mut self, py: Python<'py>, request_id: &str) -> Option<(Key, Bound<'py, PyBytes>)> {
+        self.free_req(request_id).map(|(key, alone)| (key, le_bytes(py, &alone, u64::to_le_bytes)))
     }
 
     /// Free the requests routed more than the TTL before `now`; returns their ids.
@@ -598,7 +593,7 @@ impl ActiveCore {
     /// inputs, and so the policy: without them the cost is kv); `r`: the uniform draw in [0, 1). Expires old requests at `now` first;
     /// with `request_id`, adds the request to the chosen worker.
     ///
-    /// Returns (chosen row or None when no candidate is eligible, overlaps (n×4 i64),
+    /// Returns (chosen row or None when no candidate is eligible, overlaps (n×5 i64: the tiers, then the expected blocks),
     /// loads (n×5 i64), columns (7×n f64: the §5 terms, the last the policy's cost),
     /// probabilities (n f64), all as little-endian bytes, the prompt's sequence hashes
     /// (little-endian u64 bytes) when tracked, its token count, per candidate why it is
@@ -609,7 +604,7 @@ impl ActiveCore {
     fn route<'py>(
         &mut self,
         py: Python<'py>,
-        index: PyRef<'py, IndexCore>,
+        index: PyRefMut<'py, IndexCore>,
         keys: Vec<Option<Key>>,
         tokens: &Bound<'py, PyAny>,
         block_size: usize,
@@ -655,7 +650,7 @@ impl ActiveCore {
     fn route_hashes<'py>(
         &mut self,
         py: Python<'py>,
-        index: PyRef<'py, IndexCore>,
+        index: PyRefMut<'py, IndexCore>,
         keys: Vec<Option<Key>>,
         isl: i64,
         sequence_hashes: &Bound<'py, PyAny>,
@@ -691,7 +686,7 @@ impl ActiveCore {
     fn route_prompt<'py>(
         &mut self,
         py: Python<'py>,
-        index: PyRef<'py, IndexCore>,
+        index: PyRefMut<'py, IndexCore>,
         keys: Vec<Option<Key>>,
         prompt: impl FnOnce() -> Prompt + Send,
         block_size: usize,
@@ -709,18 +704,23 @@ impl ActiveCore {
             }
             None => None,
         };
-        let idx: &IndexCore = &index;
+        let mut index = index;
+        let idx: &mut IndexCore = &mut index;
         let track = request_id.is_some();
         let d = py.detach(|| -> PyResult<Decision> {
             let prompt = prompt();
             let isl = prompt.isl;
             self.expire_at(now);
+            idx.expect.expire(now);
             let d = decide(idx, self, &keys, prompt, block_size, &w, rates.as_ref(), r)?;
             if let (Some(rid), Some(c)) = (request_id, d.chosen) {
                 // The caller checked that the id is not active (the borrow of self keeps
                 // other threads out meanwhile), so the add applies.
                 let cached = d.columns[keys.len() + c] as i64;
                 self.add_req(rid, keys[c].1, isl, cached, d.seqs.clone(), now);
+                // The prompt's blocks past what the slot holds are expected there now.
+                let held: i64 = d.overlaps[COLS * c..COLS * c + 4].iter().sum();
+                idx.expect.add(keys[c].0, &d.seqs, held as usize, now);
             }
             Ok(d)
         })?;

@@ -1,9 +1,11 @@
 """``replay explain``: a routing decision as the router would have computed it at time T.
 
-The index is the fold as of T (kvstream.tools.replay.rebuild); the load is the
-active-sequence ops of ``kvstream.active`` routed at or before T, applied to the
-router's :class:`~kvstream.router.active.ActiveSequences` with the router's clock held
-at T (so requests older than the TTL are expired as they were). The decision is then
+The index is the fold as of T (kvstream.tools.replay.rebuild); the load and the
+predicted blocks are the active-sequence ops of ``kvstream.active`` routed at or before
+T, applied among the events' records in time order as a caught-up replica met them
+(an expiry drops the requests routed before it, a store confirms a prediction made
+before it), with the router's clock held at T (so requests and predictions older than
+their TTLs are expired as they were). The decision is then
 scored by the router itself and printed as
 :func:`kvstream.router.explain.decision_dict` with ``explain=True``: the very structure
 the live ``POST /v1/route`` returns with ``"explain": true``.
@@ -27,13 +29,14 @@ from typing import Any
 from kvstream.events.errors import DecodeError
 from kvstream.replica.active_codec import ActiveOpCodec, load_window_start_ms
 from kvstream.replica.admission import admission_from_settings
+from kvstream.replica.cli import router_config
 from kvstream.replica.request_ids import unscoped
 from kvstream.replica.route_body import InvalidRequest, RouteRequest, from_doc, overrides
 from kvstream.router.active import ActiveOp, AddRequest
-from kvstream.router.errors import NoEligibleWorkerError, RouterError, SchedulerConfigError
+from kvstream.router.errors import NoEligibleWorkerError, SchedulerConfigError
 from kvstream.router.explain import decision_dict
 from kvstream.router.index import WorkerKey
-from kvstream.router.router import RouteDecision, Router
+from kvstream.router.router import RouteDecision, Router, RouterConfig
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import ReplayError, SourceError
 from kvstream.tools.replay.reader import LogReader, format_time
@@ -89,29 +92,6 @@ def read_ops(settings: Settings, start_ms: int | None, end_ms: int | None, progr
                 ops.append(LoggedOp(ms, r.partition, r.offset, replica_id, op))
     ops.sort(key=lambda o: o.order)
     return ops, bad
-
-
-def apply_ops(router: Router, ops: list[LoggedOp], removals: Sequence[tuple[int, int]] = ()) -> int:
-    """Apply ops in order, and among them each worker expiry of the fold (worker id,
-    log time ms): as live, where the fold's ``Router.remove_worker`` dropped the
-    worker's requests routed before it (not those routed to it once it came back).
-    Returns how many ops the router refused (e.g. the free of a request added before
-    the window, or of one whose worker was removed), which a live replica skips the
-    same way."""
-    refused = 0
-    pending = sorted(removals, key=lambda r: r[1])
-    i = 0
-    for o in ops:
-        while i < len(pending) and pending[i][1] <= o.timestamp_ms:
-            router.drop_requests(pending[i][0])
-            i += 1
-        try:
-            router.apply_active(o.op)
-        except RouterError:
-            refused += 1
-    for worker_id, _ in pending[i:]:
-        router.drop_requests(worker_id)
-    return refused
 
 
 def load_request(path: Path) -> RouteRequest:
@@ -175,10 +155,10 @@ def explain_at(
     progress: bool | None = None,
 ) -> Explained:
     """The decision for prompt ``req`` had it been routed at ``at_ms``."""
-    rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress)
+    config = router_config(settings)
+    ops, bad = read_ops(settings, load_window_start_ms(at_ms, config), at_ms, progress)
+    rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress, ops=ops)
     router = rebuilt.fold.router
-    ops, bad = read_ops(settings, load_window_start_ms(at_ms, router.config.request_ttl_s), at_ms, progress)
-    refused = apply_ops(router, ops, rebuilt.removals)
     registry = registry_at(settings, at_ms, progress)
     candidates, admitted = _score(lambda: _admitted(settings, router, registry))
     decision = _score(
@@ -188,7 +168,8 @@ def explain_at(
         )
     )
     notes = [f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes, *admitted,
-             f"load from {len(ops)} active ops ({refused} refused, {bad} undecodable)"]
+             f"load and predicted blocks from {len(ops)} active ops among them "
+             f"({rebuilt.ops_refused} refused, {bad} undecodable)"]
     return Explained(decision_dict(decision, explain=True), at_ms, notes)
 
 
@@ -207,21 +188,20 @@ def find_request(ops: list[LoggedOp], request_id: str) -> LoggedOp:
     return adds[-1]
 
 
-def decide_logged(
-    router: Router, removals: Sequence[tuple[int, int]], ops: list[LoggedOp], logged: LoggedOp,
-    candidates: Sequence[WorkerKey] | None = None,
-) -> tuple[RouteDecision, list[LoggedOp], int]:
-    """The decision for the logged request ``logged`` given the fold as of its time
-    (``router``, and the expiries it saw) among ``candidates`` (None: every indexed
-    worker): the load is the ops of the TTL before it. Returns the decision, the ops
-    applied and how many of them were refused."""
+def ops_before(ops: Sequence[LoggedOp], logged: LoggedOp, config: RouterConfig) -> list[LoggedOp]:
+    """The ops a live replica had applied when it routed ``logged``: those of the load
+    window (kvstream.replica.active_codec.load_window_start_ms) before it."""
+    since_ms = load_window_start_ms(logged.timestamp_ms, config)
+    return [o for o in ops if since_ms <= o.timestamp_ms and o.order < logged.order]
+
+
+def decide_logged(router: Router, logged: LoggedOp, candidates: Sequence[WorkerKey] | None = None) -> RouteDecision:
+    """The decision for the logged request ``logged``, given the fold as of its time
+    with the ops before it (``router``), among ``candidates`` (None: every indexed
+    worker)."""
     add = logged.op
     assert isinstance(add, AddRequest)
-    at_ms = logged.timestamp_ms
-    since_ms = load_window_start_ms(at_ms, router.config.request_ttl_s)
-    before = [o for o in ops if since_ms <= o.timestamp_ms and o.order < logged.order]
-    refused = apply_ops(router, before, removals)
-    return _score(lambda: _decide_from_hashes(router, add, at_ms / 1000, candidates)), before, refused
+    return _score(lambda: _decide_from_hashes(router, add, logged.timestamp_ms / 1000, candidates))
 
 
 def explain_request(
@@ -237,13 +217,15 @@ def explain_request(
     add = logged.op
     assert isinstance(add, AddRequest)
     at_ms = logged.timestamp_ms
-    rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress)
+    before = ops_before(ops, logged, router_config(settings))
+    rebuilt = rebuild_at(settings, at_ms, snapshot_dir, progress=progress, ops=before)
     router = rebuilt.fold.router
     candidates, admitted = _score(lambda: _admitted(settings, router, registry_at(settings, at_ms, progress)))
-    decision, before, refused = decide_logged(router, rebuilt.removals, ops, logged, candidates)
+    decision = decide_logged(router, logged, candidates)
     notes = [f"request routed at {format_time(at_ms)} by {logged.replica_id}",
              f"index from {rebuilt.source}, {rebuilt.records} records", *rebuilt.notes, *admitted,
-             f"load from {len(before)} active ops ({refused} refused, {bad} undecodable)"]
+             f"load and predicted blocks from {len(before)} active ops among them "
+             f"({rebuilt.ops_refused} refused, {bad} undecodable)"]
     live = WorkerKey(add.worker_id, add.dp_rank)
     if decision.worker != live:
         notes.append(

@@ -9,10 +9,13 @@ own :class:`~kvstream.replica.fold.LogFold`, so the result is the replica's stat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Tier
@@ -24,36 +27,72 @@ from kvstream.replica.fold import LogFold, PackedReader
 from kvstream.replica.snapshot import SnapshotMeta, SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
 from kvstream.router import Router
+from kvstream.router.active import ActiveOp
+from kvstream.router.errors import RouterError
 from kvstream.settings import Settings
 from kvstream.tools.replay.errors import RetentionError, SourceError
 from kvstream.replica.record import Record
 from kvstream.tools.replay.reader import LogReader, format_time
 
 
-def new_fold(
-    settings: Settings,
-    at_s: float,
-    reader: PackedReader | None = None,
-    removals: list[tuple[int, int]] | None = None,
-) -> LogFold:
+def new_fold(settings: Settings, at_s: float, reader: PackedReader | None = None) -> LogFold:
     """An empty fold with the settings' router, whose clock stands still at ``at_s`` (so
-    that request expiry is evaluated as of the replayed time) and records read by
-    ``reader`` (an EventCodec by default); each worker expiry is appended to
-    ``removals`` as (worker id, log time ms)."""
+    that request and prediction expiry is evaluated as of the replayed time) and records
+    read by ``reader`` (an EventCodec by default)."""
     return LogFold(
-        Router(router_config(settings), clock=lambda: at_s), reader or EventCodec(),
-        authority_from_settings(settings.fold), None if removals is None else lambda w, ms: removals.append((w, ms)),
+        Router(router_config(settings), clock=lambda: at_s), reader or EventCodec(), authority_from_settings(settings.fold),
     )
 
 
-def fold_records(fold: LogFold, records: Iterable[Record]) -> int:
-    """Apply records in order; returns how many."""
-    n = 0
+class TimedOp(Protocol):
+    """An active op as read from the log, with its time."""
+
+    timestamp_ms: int
+    op: ActiveOp
+
+
+def fold_records(fold: LogFold, records: Iterable[Record], ops: Sequence[TimedOp] = ()) -> tuple[int, int]:
+    """Apply records, and the active ops ``ops`` (in time order) among them as a replica
+    caught up with both logs met them: each op after every record stamped at or before
+    it, each partition's records in offset order. The order matters: a worker's expiry
+    drops the requests routed to it before, a store confirms a prediction made before
+    it, a new incarnation drops them. Returns (records folded, ops the router refused:
+    e.g. the free of a request added before the window, or dropped with its worker)."""
+    n = refused = 0
     apply = fold.apply
+    router = fold.router
+    first = ops[0].timestamp_ms if ops else None
+    # Records before the first op are folded as they come; from there each partition's
+    # are held, to be merged with the ops by time.
+    held: dict[int, deque[Record]] = {}
     for r in records:
-        apply(r)
-        n += 1
-    return n
+        q = held.get(r.partition)
+        if q is None and (first is None or r.timestamp_ms <= first):
+            apply(r)
+            n += 1
+        else:
+            held.setdefault(r.partition, deque()).append(r)
+    heads = [(q[0].timestamp_ms, p) for p, q in held.items()]
+    heapq.heapify(heads)
+
+    def fold_until(ms: float) -> None:
+        nonlocal n
+        while heads and heads[0][0] <= ms:
+            _, p = heapq.heappop(heads)
+            q = held[p]
+            apply(q.popleft())
+            n += 1
+            if q:
+                heapq.heappush(heads, (q[0].timestamp_ms, p))
+
+    for o in ops:
+        fold_until(o.timestamp_ms)
+        try:
+            router.apply_active(o.op)
+        except RouterError:
+            refused += 1
+    fold_until(math.inf)
+    return n, refused
 
 
 @dataclass(slots=True)
@@ -73,8 +112,9 @@ class Rebuilt:
     #: topic, or of this one recreated, tells it apart).
     topic_id: str | None = None
     notes: list[str] = field(default_factory=list)
-    #: (worker id, log time ms) of the workers that expired in the folded records.
-    removals: list[tuple[int, int]] = field(default_factory=list)
+    #: Active ops folded among the records, and how many of them the router refused.
+    ops: int = 0
+    ops_refused: int = 0
 
 
 def open_store(path: Path) -> SnapshotStore:
@@ -131,14 +171,15 @@ def rebuild_at(
     snapshot_dir: Path | None = None,
     *,
     progress: bool | None = None,
+    ops: Sequence[TimedOp] = (),
 ) -> Rebuilt:
-    """Fold the events topic up to ``at_ms`` (inclusive)."""
+    """Fold the events topic up to ``at_ms`` (inclusive), with the active ops ``ops``
+    (in time order) among its records (:func:`fold_records`)."""
     with LogReader(settings, "events") as reader:
         end = reader.offsets_after(at_ms)
         notes: list[str] = []
-        removals: list[tuple[int, int]] = []
         tid = topic_id(settings, reader.topic, timeout=reader.timeout)
-        fold = new_fold(settings, at_ms / 1000, removals=removals)
+        fold = new_fold(settings, at_ms / 1000)
         start = {p: 0 for p in reader.partitions}
         source = "start of the log"
         if snapshot_dir is not None:
@@ -164,16 +205,16 @@ def rebuild_at(
                 + "): the state cannot be rebuilt from the log alone; pass --snapshot-dir "
                 "with a snapshot taken before that time"
             )
-        n = fold_records(fold, reader.read(start, end, progress=progress, desc="rebuild"))
+        n, refused = fold_records(fold, reader.read(start, end, progress=progress, desc="rebuild"), ops)
         # The prefix may end on records that carry no data (transaction markers), and a
         # partition may have nothing to read: the fold must still resume at the end.
         for p, e in end.items():
             part = fold.partitions.get(p)
             if (part.next_offset if part else 0) < e:
                 fold.restore_partition(p, e, part.log_time_ms if part else 0)
-        if source != "start of the log":
-            notes.append("worker expiries before the snapshot are not replayed among the active ops")
-        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, tid, notes, removals)
+        if source != "start of the log" and ops:
+            notes.append("the active ops stamped before the snapshot's records are applied after them")
+        return Rebuilt(fold, at_ms, source, end, n, len(reader.partitions), reader.topic, tid, notes, len(ops), refused)
 
 
 def summary(fold: LogFold) -> list[dict[str, Any]]:
