@@ -40,6 +40,7 @@ own figures (per-request records).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import statistics
@@ -77,7 +78,8 @@ _REPLICAS = "-4-replicas"
 _APPROX = "-approx"
 #: The figures of a run whose medians are reported (the rest are the last run's).
 _MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "requests_per_s",
-                "cached_token_share", "shed_rate", "failed", "engine_ttft_mean_ms", "router_cpu_s")
+                "cached_token_share", "shed_rate", "failed", "engine_ttft_mean_ms", "router_cpu_s",
+                "router_predicted_share", "router_forgone_share", "gateway_ttft_mean_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,15 +363,40 @@ def _run(router: str, reqs: list[Request], scale: fleet.Scale, speed: float, n_e
             cpu0 = sum(p.cpu_seconds() for p in fr.procs)
             s, extra, outcomes = replayer.replay(reqs, scale, fr.targets, work / "replay")
             cpu = sum(p.cpu_seconds() for p in fr.procs) - cpu0
+            gateway = _gateway_figures(fr.targets) if router.startswith("kvstream") else {}
         engine_ttft = _engine_ttft_ms(engines[1:] if scenario == "engine-killed" else engines)
     finally:
         fleet.stop_all([e.proc for e in engines])
-    row = s.as_dict() | extra | {"shed_rate": round(s.failed / s.requests, 4) if s.requests else None,
+    row = s.as_dict() | extra | gateway | {"shed_rate": round(s.failed / s.requests, 4) if s.requests else None,
                                  "halves": _halves(outcomes), "engine_ttft_mean_ms": engine_ttft,
                                  "router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg()}
     if fr.restarted:
         row["restart"] = fr.restarted
     return row
+
+
+#: kvstream's gateway counters the bench reads from each replica (summed).
+_GATEWAY = ("kvstream_gateway_prompt_tokens_total", "kvstream_gateway_predicted_cached_tokens_total",
+            "kvstream_gateway_forgone_cached_tokens_total", "kvstream_gateway_ttft_seconds_sum",
+            "kvstream_gateway_ttft_seconds_count")
+
+
+def _gateway_figures(replicas: Sequence[str]) -> dict[str, Any]:
+    """What kvstream's replicas saw of the run: the cached tokens they predicted and the
+    ones they gave up for load (credited on another candidate beyond the chosen one's),
+    as shares of the prompt tokens, and their own mean TTFT (from a request's arrival at
+    the gateway: the engine's, the gateway's tokenizing and routing, not the client's)."""
+    sums = dict.fromkeys(_GATEWAY, 0.0)
+    with httpx.Client(timeout=10.0) as client:
+        for url in replicas:
+            for line in client.get(url + "/metrics").text.splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in sums:
+                    sums[name] += float(line.split()[-1])
+    prompt = sums[_GATEWAY[0]] or math.nan
+    count = sums[_GATEWAY[4]]
+    return {"router_predicted_share": _r(sums[_GATEWAY[1]] / prompt), "router_forgone_share": _r(sums[_GATEWAY[2]] / prompt),
+            "gateway_ttft_mean_ms": round(1000 * sums[_GATEWAY[3]] / count, 2) if count else None}
 
 
 def _engine_ttft_ms(engines: list[fleet.Engine]) -> float | None:

@@ -303,12 +303,14 @@ class Gateway:
         prompt_tokens = prompt_tokens if type(prompt_tokens) is int and prompt_tokens >= 0 else len(ex.ids)
         if ex.status == 200 and ex.track:
             m.of(m.predicted_cached, model, "true" if cached is not None else "false").inc(ex.predicted)
+            m.of(m.forgone_cached, model).inc(ex.forgone)
             m.of(m.prompt_tokens, model).inc(prompt_tokens)
             if cached is not None:
                 m.of(m.engine_cached, model).inc(cached)
         log.info(
             "gateway request", request_id=ex.request_id, load_id=ex.life.request_id, model=model, endpoint=endpoint, worker=ex.tried_last,
-            attempts=ex.attempts, predicted_cached_tokens=ex.predicted, engine_cached_tokens=cached,
+            attempts=ex.attempts, predicted_cached_tokens=ex.predicted, forgone_cached_tokens=ex.forgone,
+            engine_cached_tokens=cached,
             prompt_tokens=prompt_tokens, ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             e2e_ms=round((end - ex.started) * 1000, 3), status=ex.status, outcome=ex.outcome,
         )

@@ -62,6 +62,12 @@ class GatewayMetrics:
             "its own count (reported=\"true\": compare with kvstream_gateway_engine_cached_tokens)",
             ["model", "reported"], registry=r,
         )
+        self.forgone_cached = Counter(
+            "kvstream_gateway_forgone_cached_tokens",
+            "Prompt tokens the router credited as cached on another candidate beyond the chosen one (summed): the "
+            "cache given up for load",
+            ["model"], registry=r,
+        )
         self.engine_cached = Counter(
             "kvstream_gateway_engine_cached_tokens",
             "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens, summed)",

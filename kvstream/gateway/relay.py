@@ -248,6 +248,8 @@ class Exchange:
         #: The last worker tried: the one the answer names.
         self.tried_last: int | None = None
         self.predicted = 0
+        #: Cached tokens credited on another candidate beyond the chosen one's.
+        self.forgone = 0
         self.attempts = 0
         self.first_at: float | None = None
         self.usage: dict | None = None
@@ -363,6 +365,8 @@ class Exchange:
         ep = next(e for e in eps if e.worker_id == wid)
         self.worker = self.tried_last = wid
         self.predicted = decision.op.overlap_tokens if decision.op is not None else 0
+        cached = decision.schedule.columns.cached_tokens
+        self.forgone = int(cached.max() - cached[decision.schedule.chosen])
         gw.engage(wid)
         if self.attempts > 1:
             gw.metrics.retries.labels(reason=self.outcome).inc()

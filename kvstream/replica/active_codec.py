@@ -66,7 +66,7 @@ class ActiveOpCodec:
         elif kind == "PREFILL_DONE":
             op = PrefillDone(r["request_id"], ts)
         elif kind == "FREE":
-            op = FreeRequest(r["request_id"], ts, r["refuted"])
+            op = FreeRequest(r["request_id"], ts, r.get("refuted", False))  # a v1 record has none
         else:
             raise DecodeError(f"active op of unknown kind {kind}")
         return r["replica_id"], op

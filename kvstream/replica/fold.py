@@ -504,18 +504,21 @@ class LogFold:
             if deadline >= now_ms:
                 heapq.heappush(heap, (deadline, wid))  # renewed since it was pushed
                 continue
-            self._drop(wid, partition, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)")
+            # What it held on the device is expected there from then (approximate mode,
+            # should it still be routed).
+            self._drop(wid, partition, f"expired at {log_time(deadline)} (no event for its lease of {log.lease_ms} ms)",
+                       demote_at=deadline / 1000)
             self.counters[EXPIRED] += 1
 
-    def _drop(self, wid: int, partition: int, why: str) -> None:
+    def _drop(self, wid: int, partition: int, why: str, demote_at: float | None = None) -> None:
         """Forget a worker bound to ``partition`` (expired or displaced): its log, its slot
-        in the partition's limit, and its blocks and load in the router."""
+        in the partition's limit, and its blocks and load in the router (Router.remove_worker)."""
         del self.workers[wid]
         self._began.pop(wid, None)
         self._bound[partition] -= 1
         self.dirty.add(wid)
         if self.router.knows(wid):
-            self.router.remove_worker(wid, why)
+            self.router.remove_worker(wid, why, demote_at)
 
     # -- restore from a snapshot -------------------------------------------------------
 

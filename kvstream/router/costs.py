@@ -11,19 +11,34 @@ uncached = max(isl − (device + host + disk + external)[w]·B, 0)
 onboard  = host_onboard_ratio·host[w]·B + disk_onboard_ratio·(disk + external)[w]·B
 per_tok  = 1 / rate[w] + decode_slowdown·active_decode_blocks[w]   # seconds per token
 ttft[w]  = (ahead + uncached + onboard)·per_tok      # seconds
-busy     = share of the candidates with prefill queued (ahead > 0)
-cost[w]  = ttft[w] + recompute_weight·busy·uncached·per_tok
+b        = min(share of the candidates with a request running, 0.9)
+cost[w]  = ttft[w] + recompute_weight·b/(1 − b)·uncached·per_tok
+         + decode_delay_weight·active_requests[w]·(uncached + onboard)·per_tok
 ```
 
-The cost is this request's predicted TTFT plus the time its uncached prefill adds to
-the requests routed after it to the same worker. Those requests only wait for it when
-they have nowhere better to go, which is as likely as the fleet is busy: the
-``ttft_recompute_weight`` is scaled by the share of candidates with prefill queued.
-With it the policy keeps cache reuse that shortens everyone's wait once queues are long
-(on the Mooncake trace at 3× speed, weight 0.5 against 0: TTFT p50 506 against 527 ms,
-p99 4113 against 4204 ms); unscaled, it sent a request whose prefix sat behind a long
-queue to that queue even while idle workers could compute the prompt sooner, and some
-of those joined the slowest 1 % (docs/RESULTS.md).
+(``uncached`` counts an expected block, one routed to ``w`` and not confirmed yet, as
+cached at ``expected_cache_hit_weight``.) The cost is this request's predicted TTFT
+plus the time its uncached prefill adds to the requests routed after it to the same
+worker, and to the requests already running there.
+
+Those routed after only wait for it when they have nowhere better to go, which is as
+likely as the fleet is busy: the ``ttft_recompute_weight`` is scaled by b/(1 − b), the
+delay a unit of work adds to a queue's later arrivals at utilization b (M/M/1), b the
+share of candidates with a request running (capped at 0.9). Cache is worth little on an
+idle fleet and more the busier it gets. Unscaled, the weight sent a request whose prefix
+sat behind a long queue to that queue even while idle workers could compute the prompt
+sooner; scaled by the share of candidates with *prefill queued* (until issue 33), it
+gave cache away for load at 3× the conversation trace (cached share 0.116 against
+sglang-router's 0.132; with b/(1 − b) 0.131 and TTFT p50/p99 184/1381 → 178/1303 ms,
+kvstream bench fleet, one run each).
+
+The running ones wait for it for sure: chunked prefill shares each engine step with
+their decodes, so each of them takes that much longer to finish
+(``ttft_decode_delay_weight``, 1: a second of their time weighs as a second of this
+request's TTFT). Prefill moved to an idle worker costs no one else; prefill recomputed
+beside running requests, instead of found in a busy worker's cache, costs each of them
+(system prompts shared by many users at 3×: end-to-end p99 410 ms with the weight at 0,
+260 ms at 1, for 0.8 point of cached share).
 
 Onboarding is counted in prefill-token equivalents (moving a token's KV up a tier costs
 that fraction of computing it). ``rate`` and ``decode_slowdown`` are learned online

@@ -201,14 +201,18 @@ class TieredIndex:
         """Every rank the index knows of a worker (none when it knows none)."""
         return [WorkerKey(worker_id, r) for r in sorted(self._ranks.get(worker_id, ()))]
 
-    def remove_worker(self, worker_id: int) -> list[WorkerKey]:
+    def remove_worker(self, worker_id: int, demote_at: float | None = None) -> list[WorkerKey]:
         """Forget a worker's blocks (every rank, every tier): O(its blocks); returns the
         keys removed. What it is expected to store stays until it expires (the load
-        log's, not the events'): a worker still named as a candidate is routed by it."""
+        log's, not the events'): a worker still named as a candidate is routed by it.
+        ``demote_at``: its events stopped, and its device blocks become expected there
+        as of that time (the last the index knew of it: approximate mode)."""
         removed = []
         for rank in sorted(self._ranks.pop(worker_id, ())):
             key = WorkerKey(worker_id, rank)
             slot = self._slot_of.pop(key)
+            if demote_at is not None:
+                self._core.demote(slot, demote_at)
             if self._core.expected_count(slot):
                 self._core.drop_blocks(slot)
                 self._named[key] = slot

@@ -256,9 +256,11 @@ class Router:
         """Restart the stream of uniform draws (tie-breaks, sampling) from ``seed``."""
         self._rng.seed(seed)
 
-    def remove_worker(self, worker_id: int, why: str | None = None) -> list[WorkerKey]:
+    def remove_worker(self, worker_id: int, why: str | None = None, demote_at: float | None = None) -> list[WorkerKey]:
         """Forget a worker: its blocks on every tier and rank, and its active requests.
-        ``why`` (e.g. "expired at …") is what a route says of it once no worker is left."""
+        ``why`` (e.g. "expired at …") is what a route says of it once no worker is left;
+        ``demote_at``: its events stopped at that time, and what it held on the device
+        is expected there from then (TieredIndex.remove_worker)."""
         if not self._index.knows(worker_id):
             raise UnknownWorkerError(f"worker {worker_id} is not known to the router")
         self.drop_requests(worker_id)
@@ -267,7 +269,7 @@ class Router:
             self._departed[worker_id] = why
             while len(self._departed) > DEPARTED_KEPT:
                 del self._departed[next(iter(self._departed))]
-        return self._index.remove_worker(worker_id)
+        return self._index.remove_worker(worker_id, demote_at)
 
     def no_workers(self) -> NoEligibleWorkerError:
         """The error of a route with no worker known, saying what became of the last ones."""

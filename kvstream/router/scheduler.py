@@ -67,8 +67,12 @@ class SchedulerConfig:
     ttft_host_onboard_ratio: float = _option(0.1)
     ttft_disk_onboard_ratio: float = _option(0.5)
     #: ttft: weight of the delay a request's uncached prefill puts on later ones (scaled
-    #: by the share of candidates with prefill queued).
-    ttft_recompute_weight: float = _option(0.5)
+    #: by b/(1 - b), b the share of candidates with a request running, at most 0.9).
+    ttft_recompute_weight: float = _option(1.0)
+    #: ttft: weight of the delay a request's prefill (and onboarding) puts on the
+    #: requests already running on the worker: each waits for it between two of its
+    #: decode steps (chunked prefill shares the step).
+    ttft_decode_delay_weight: float = _option(1.0)
     #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
     #: its own ("worker": for a fleet of unequal GPUs).
     ttft_rate_scope: str = _option("fleet", choices=RATE_SCOPES)

@@ -275,14 +275,16 @@ def test_active_health_takes_a_worker_out_until_it_recovers(replica: Replica) ->
     with running(Backend("a", health=503), Backend("b")) as (a, b), \
             serving(replica, [a, b], health_interval_s=0.1, breaker_cooldown_s=0.3) as s:
         a_id, b_id = s.ids
-        publish_prefix(replica, a_id, prompt)
+        # b serves the prompt meanwhile (it is expected there then): a holds a longer one.
+        longer = prompt + ids(60)
+        publish_prefix(replica, a_id, prompt, also=(longer,))
         wait_until(lambda: metric(s, "kvstream_gateway_worker_up", worker=str(a_id)) == 0 and a.health_checks, "never probed")
         client = s.client()
         assert client.completions.with_raw_response.create(model=MODEL, prompt=prompt).headers["x-kvstream-worker"] == str(b_id)
         assert not a.requests()
         a.health = 200
         wait_until(lambda: metric(s, "kvstream_gateway_breaker_state", worker=str(a_id)) == 0, "a never recovered")
-        assert client.completions.with_raw_response.create(model=MODEL, prompt=prompt).headers["x-kvstream-worker"] == str(a_id)
+        assert client.completions.with_raw_response.create(model=MODEL, prompt=longer).headers["x-kvstream-worker"] == str(a_id)
 
 
 def test_no_worker_up_is_503(replica: Replica) -> None:

@@ -16,6 +16,7 @@ import itertools
 from collections import Counter
 
 from kvstream.events.model import LOWER_TIERS, Cleared, Removed, RouterEvent, Stored, Tier
+from kvstream.hashing import sequence_hashes
 from kvstream.router.index import (
     DEFAULT_EXPECTED_BLOCKS,
     DEFAULT_EXPECTED_TTL_S,
@@ -79,7 +80,17 @@ class ReferenceIndex:
             held[bh] = path
             expected.pop(path, None)
 
-    def remove_worker(self, worker_id: int) -> None:
+    def remove_worker(self, worker_id: int, demote_at: float | None = None) -> None:
+        if demote_at is not None:
+            # Its device blocks become expected as of demote_at (in sequence-hash order).
+            for key in [k for k in self.known if k.worker_id == worker_id]:
+                held = sorted(set(self.blocks.get((Tier.DEVICE, key), {}).values()), key=lambda p: sequence_hashes(list(p))[-1])
+                exp = self.expected.setdefault(key, {})
+                for path in reversed(held):
+                    if path in exp and exp[path][0] >= demote_at:
+                        continue
+                    exp[path] = (demote_at, next(self._order))
+                self._trim(key)
         self.known = {k for k in self.known if k.worker_id != worker_id}
         for tier, k in list(self.blocks):
             if k.worker_id == worker_id:

@@ -360,6 +360,10 @@ def ttft_cost(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates, te
 COSTS: dict[str, Cost] = {"kv": kv_cost, "ttft": ttft_cost}
 
 
+#: The busy share past which the recompute weight grows no more (route.rs's).
+BUSY_CAP = 0.9
+
+
 def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
     """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
     first token, plus the weighted delay its uncached prefill puts on later requests."""
@@ -370,8 +374,11 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
     onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
     per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
-    recompute = cfg.ttft_recompute_weight * float(np.count_nonzero(ahead)) / max(len(c), 1)
-    return (ahead + (1.0 + recompute) * uncached + onboard) * per_token
+    busy = min(float(np.count_nonzero(has_load)) / max(len(c), 1), BUSY_CAP)
+    recompute = cfg.ttft_recompute_weight * busy / (1.0 - busy)
+    running = np.where(has_load != 0, c.loads.T[3], 0)
+    others = cfg.ttft_decode_delay_weight * running * (uncached + onboard)
+    return (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token
 
 
 class Scheduler:

@@ -83,6 +83,7 @@ def config(rng: random.Random) -> SchedulerConfig:
         ttft_host_onboard_ratio=rng.choice([0.1, 0.4]),
         ttft_disk_onboard_ratio=rng.choice([0.5, 0.9]),
         ttft_recompute_weight=rng.choice([0.5, 0.0, 2.0]),
+        ttft_decode_delay_weight=rng.choice([1.0, 0.0, 0.3]),
         ttft_rate_scope=rng.choice(["fleet", "worker"]),
         expected_cache_hit_weight=rng.choice([1.0, 1.0, 0.5, 0.0]),
     )

@@ -118,8 +118,10 @@ def run_sequence(pick: Pick, steps: int, workers: int, prompts_per_step: int) ->
         step = gen_step(pick, ref, workers)
         touched: set[WorkerKey] = set()
         if isinstance(step, tuple) and step[0] == "remove_worker":
-            fast.remove_worker(step[1])
-            ref.remove_worker(step[1])
+            # Half of them as a lease's expiry: the device blocks become expected.
+            demote = now if pick(0, 1) else None
+            fast.remove_worker(step[1], demote)
+            ref.remove_worker(step[1], demote)
         elif isinstance(step, tuple) and step[0] == "expect":
             _, key, local, back = step
             fast.expect(key, sequence_hashes(local), now - back)

@@ -25,10 +25,10 @@ TTFT = SchedulerConfig(policy="ttft")
 
 
 def reference_ttft(
-    cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float, slowdown: float = 0.0, busy: float = 1.0
+    cfg: SchedulerConfig, isl: int, bs: int, c: Candidate, rate: float, slowdown: float = 0.0, busy: float = 0.9
 ) -> float:
     """The policy's formula for one candidate, written out plainly (``busy``: the share
-    of candidates with prefill queued)."""
+    of candidates with a request running, at most 0.9)."""
     o = c.overlap
     ahead = c.active_prefill_tokens if c.has_load else 0
     decode = c.active_decode_blocks if c.has_load else 0
@@ -36,7 +36,9 @@ def reference_ttft(
     stored = o.device + o.host_pinned + o.disk + o.external
     uncached = max(isl - (stored + cfg.expected_cache_hit_weight * o.expected) * bs, 0)
     onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
-    return (ahead + uncached + onboard) * per_token + cfg.ttft_recompute_weight * busy * uncached * per_token
+    others = cfg.ttft_decode_delay_weight * (c.active_requests if c.has_load else 0) * (uncached + onboard)
+    recompute = cfg.ttft_recompute_weight * busy / (1 - busy)
+    return (ahead + uncached + onboard + others) * per_token + recompute * uncached * per_token
 
 
 overlaps = st.builds(TierOverlap, *(st.integers(0, 20) for _ in range(5)))
@@ -68,7 +70,7 @@ def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recomp
     base = Candidates.from_rows(rows)
     c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]), slowdown)
     got = predicted_ttft(cfg, isl, 16, c)
-    busy = sum(1 for r in rows if r.has_load and r.active_prefill_tokens > 0) / len(rows)
+    busy = min(sum(1 for r in rows if r.has_load) / len(rows), 0.9)
     want = [reference_ttft(cfg, isl, 16, r, rate, slowdown, busy) for r, rate in zip(rows, rates)]
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     # The scheduler picks a candidate of least predicted TTFT (temperature 0).
@@ -82,7 +84,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     queued; B has no prefill queued but 100 blocks decoding. kv (§5) weighs a queued
     prefill block like a decode block (62.6 against 108) and picks A; ttft predicts
     1.56 s on A against 0.13 s on B and picks B (its cost adds the recompute weight,
-    times the share of busy candidates, times each one's own uncached prefill time)."""
+    times the share of busy candidates, times each one's own uncached prefill time, and
+    the delay that prefill puts on each request running there)."""
     a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2)
     b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4)
     isl = 2048
@@ -91,8 +94,9 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     ttft = Scheduler(TTFT, random.Random(0)).schedule(isl, 512, cands)
     assert kv.chosen == 0
     assert ttft.chosen == 1
-    w = 1 + TTFT.ttft_recompute_weight / 2  # one of the two has prefill queued
-    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + w * 1024) / 20.0, w * 2048 / 20.0])
+    w = 1 + TTFT.ttft_recompute_weight * 0.9 / 0.1  # both have requests running (the share capped at 0.9)
+    # Plus the delay each one's own prefill puts on the requests running there (1 and 5).
+    assert ttft.columns.logit.tolist() == pytest.approx([(30_000 + w * 1024 + 1024) / 20.0, (w * 2048 + 5 * 2048) / 20.0])
 
 
 def test_onboarding_costs_by_tier_and_learned_rates() -> None:
@@ -153,18 +157,20 @@ def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
     for scope, chosen in (("worker", 0), ("fleet", 1)):
         rates = np.array(learned.rates_for(base.workers, 20_000.0, scope))
         cands = Candidates(base.workers, base.overlaps, base.loads, rates)
-        cfg = SchedulerConfig(policy="ttft", ttft_rate_scope=scope)
+        # The running request's delay apart (it alone would send the prompt to B).
+        cfg = SchedulerConfig(policy="ttft", ttft_rate_scope=scope, ttft_decode_delay_weight=0.0)
         assert Scheduler(cfg, random.Random(0)).schedule(isl, 512, cands).chosen == chosen, scope
 
 
 def test_recomputing_elsewhere_beats_a_cached_prefix_behind_a_long_queue_only_while_others_are_idle() -> None:
-    """A holds all but one block of a 64k-token prompt behind 70k queued tokens. With
-    the other seven workers idle, later requests would not wait behind this one's
-    prefill, so computing it on an idle worker (3.4 s) beats A's queue (3.5 s). With
-    every other worker busy too, the recompute weight applies in full and A wins."""
+    """A holds all but one block of a 64k-token prompt behind 80k queued tokens. With
+    the other seven workers idle, later requests would hardly wait behind this one's
+    prefill (the busy share 1/8: a recompute weight of 1/7), so computing it on an idle
+    worker (3.7 s) beats A's queue (4.1 s). With every other worker busy too, the
+    recompute weight applies ninefold and A wins."""
     isl, bs = 125 * 512, 512
     rates = np.full(8, 20_000.0)
-    held = Candidate(A, TierOverlap(device=124), True, 70_000, 0, 3, 1)
+    held = Candidate(A, TierOverlap(device=124), True, 80_000, 0, 3, 1)
 
     def others(queued: int) -> list[Candidate]:
         return [Candidate(WorkerKey(w, 0), TierOverlap(), queued > 0, queued, 0, 1, 125) for w in range(2, 9)]
@@ -175,7 +181,7 @@ def test_recomputing_elsewhere_beats_a_cached_prefix_behind_a_long_queue_only_wh
         c = Candidates(base.workers, base.overlaps, base.loads, rates)
         sch = Scheduler(TTFT, random.Random(0)).schedule(isl, bs, c)
         assert (sch.chosen == 0) is chosen_held, queued
-        busy = (1 + (7 if queued else 0)) / 8
+        busy = min((1 + (7 if queued else 0)) / 8, 0.9)
         want = [reference_ttft(TTFT, isl, bs, r, 20_000.0, busy=busy) for r in rows]
         assert sch.columns.logit.tolist() == pytest.approx([w * 1000 for w in want])
 
@@ -207,16 +213,16 @@ def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
     """Equal queued prefill and rates, no cache: without a learned slowdown the two
     workers tie; with one, the worker holding 300 decode blocks costs more per token."""
     a = Candidate(A, TierOverlap(), True, 1000, 300, 6, 200)
-    b = Candidate(B, TierOverlap(), True, 1000, 20, 1, 200)
+    b = Candidate(B, TierOverlap(), True, 1000, 20, 6, 200)
     base = Candidates.from_rows([a, b])
     rates = np.array([20_000.0, 20_000.0])
     flat = predicted_ttft(TTFT, 100_000, 512, Candidates(base.workers, base.overlaps, base.loads, rates))
     assert flat[0] == flat[1]
     slowed = Candidates(base.workers, base.overlaps, base.loads, rates, 2e-8)
     assert Scheduler(TTFT, random.Random(0)).schedule(100_000, 512, slowed).chosen == 1
-    w = 1 + TTFT.ttft_recompute_weight
+    w = 1 + TTFT.ttft_recompute_weight * 0.9 / 0.1  # both busy: the share capped at 0.9
     assert predicted_ttft(TTFT, 100_000, 512, slowed).tolist() == pytest.approx(
-        [(1000 + w * 100_000) * (1 / 20_000 + 2e-8 * d) for d in (300, 20)]
+        [(1000 + w * 100_000 + 6 * 100_000) * (1 / 20_000 + 2e-8 * d) for d in (300, 20)]
     )
 
 

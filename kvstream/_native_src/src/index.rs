@@ -349,6 +349,17 @@ impl IndexCore {
         }
     }
 
+    /// The slot's events stopped (its lease ran out): what the index last knew it held on
+    /// the device becomes expected there as of `at` (log time), like blocks routed there,
+    /// and its blocks are forgotten. (In hash order: equal stamps are trimmed by it.)
+    fn demote(&mut self, slot: usize, at: f64) {
+        let mut seqs: Vec<u64> = self.tiers[0].blocks.get(slot).map(|b| b.values().collect()).unwrap_or_default();
+        seqs.sort_unstable();
+        seqs.dedup();
+        self.drop_blocks(slot);
+        self.expect.add(slot, &seqs, 0, at);
+    }
+
     /// Forget every block of the slot on one tier; it stays in use: O(its blocks there).
     /// A device reset also drops what the slot was expected to compute there.
     fn clear_tier(&mut self, tier: usize, slot: usize) -> PyResult<()> {

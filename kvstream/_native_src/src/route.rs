@@ -118,6 +118,7 @@ struct Weights {
     ttft_host_onboard_ratio: f64,
     ttft_disk_onboard_ratio: f64,
     ttft_recompute_weight: f64,
+    ttft_decode_delay_weight: f64,
     expected_cache_hit_weight: f64,
 }
 
@@ -193,6 +194,9 @@ impl Cost for KvCost {
     }
 }
 
+/// The busy share past which the ttft cost's recompute weight grows no more.
+const BUSY_CAP: f64 = 0.9;
+
 /// `ttft`: the predicted time to first token in ms, plus the weighted delay the
 /// request's uncached prefill puts on later ones, at the learned prefill rates.
 struct TtftCost<'a> {
@@ -203,6 +207,8 @@ struct TtftCost<'a> {
     host_ratio: f64,
     disk_ratio: f64,
     recompute_weight: f64,
+    /// Weight of the delay the request's prefill puts on the requests running there.
+    decode_delay_weight: f64,
     /// The share of an expected block counted as cached.
     expected_weight: f64,
 }
@@ -212,8 +218,11 @@ impl Cost for TtftCost<'_> {
     /// predicted_ttft, over numpy columns).
     fn costs(&self, x: &Inputs, _terms: &[f64]) -> Vec<f64> {
         let (n, bs) = (x.n, x.block_size as f64);
-        let busy = (0..n).filter(|&i| x.loads[5 * i] != 0 && x.loads[5 * i + 1] != 0).count();
-        let recompute = self.recompute_weight * busy as f64 / n.max(1) as f64;
+        // The delay a unit of work adds to later arrivals grows as b/(1 - b) with the
+        // share b of busy candidates (any request running), capped where it would explode.
+        let busy = (0..n).filter(|&i| x.loads[5 * i] != 0).count();
+        let b = (busy as f64 / n.max(1) as f64).min(BUSY_CAP);
+        let recompute = self.recompute_weight * b / (1.0 - b);
         (0..n)
             .map(|i| {
                 let o = &x.overlaps[COLS * i..COLS * (i + 1)];
@@ -223,8 +232,10 @@ impl Cost for TtftCost<'_> {
                 let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
                 let decode = if has { x.loads[5 * i + 2] } else { 0 };
+                let running = if has { x.loads[5 * i + 3] } else { 0 };
                 let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
-                (ahead + (1.0 + recompute) * uncached + onboard) * per_token * 1000.0
+                let others = self.decode_delay_weight * running as f64 * (uncached + onboard);
+                (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token * 1000.0
             })
             .collect()
     }
@@ -449,6 +460,7 @@ fn decide(
             host_ratio: w.ttft_host_onboard_ratio,
             disk_ratio: w.ttft_disk_onboard_ratio,
             recompute_weight: w.ttft_recompute_weight,
+            decode_delay_weight: w.ttft_decode_delay_weight,
             expected_weight: w.expected_cache_hit_weight,
         }
         .costs(&inputs, &columns),

@@ -46,10 +46,12 @@ class _Ids:
         return out
 
 
-def _request(out: list[Request], at_s: float, ids: list[int], rng: random.Random, osl: int) -> None:
-    # The last id is only partly filled, as a real prompt rarely ends on a block boundary.
-    isl = (len(ids) - 1) * ID + rng.randint(ID // 4, ID)
-    out.append(Request(f"r{len(out)}", round(at_s * 1000, 3), isl, osl, tuple(ids)))
+def _request(out: list[Request], at_s: float, ids: list[int], fresh: _Ids, rng: random.Random, osl: int) -> None:
+    # The prompt ends in a partly filled block of its own, as a real prompt rarely ends on a
+    # block boundary (and as in the Mooncake traces, whose ids each stand for one block's
+    # text: a partial block is never some later prompt's full one).
+    isl = len(ids) * ID + rng.randint(ID // 4, ID - 1)
+    out.append(Request(f"r{len(out)}", round(at_s * 1000), isl, osl, (*ids, *fresh.take(1))))
 
 
 def agentic(requests: int, rng: random.Random) -> list[Request]:
@@ -64,7 +66,7 @@ def agentic(requests: int, rng: random.Random) -> list[Request]:
         while heap and heap[0][0] <= t_next and len(out) < requests:
             due, s, context, left = heapq.heappop(heap)
             osl = rng.randint(60, 400)
-            _request(out, due, context, rng, osl)
+            _request(out, due, context, ids, rng, osl)
             grown = context + ids.take(max(1, osl // ID + 1)) + ids.take(rng.randint(1, 3))
             if left > 1 and len(grown) < 80:
                 heapq.heappush(heap, (due + rng.uniform(1.0, 5.0), s, grown, left - 1))
@@ -87,7 +89,7 @@ def system_prompts(requests: int, rng: random.Random) -> list[Request]:
         while heap and heap[0][0] <= t_next and len(out) < requests:
             due, context, left = heapq.heappop(heap)
             osl = rng.randint(100, 600)
-            _request(out, due, context, rng, osl)
+            _request(out, due, context, ids, rng, osl)
             if left > 1:
                 grown = context + ids.take(max(1, osl // ID + 1)) + ids.take(rng.randint(1, 4))
                 heapq.heappush(heap, (due + rng.uniform(20.0, 90.0), grown, left - 1))
@@ -111,7 +113,7 @@ def long_docs(requests: int, rng: random.Random) -> list[Request]:
     for _ in range(requests):
         t += rng.expovariate(3.0)
         doc = rng.choices(docs, weights)[0]
-        _request(out, t, instruction + doc + ids.take(1), rng, rng.randint(80, 300))
+        _request(out, t, instruction + doc, ids, rng, rng.randint(80, 300))
     return out
 
 
@@ -161,7 +163,7 @@ def write_mooncake(requests: Iterable[Request], path: Path) -> None:
     """The requests as a Mooncake JSONL trace (what ``--trace`` reads)."""
     with path.open("w") as f:
         for r in requests:
-            f.write(json.dumps({"timestamp": r.arrival_ms, "input_length": r.input_length,
+            f.write(json.dumps({"timestamp": round(r.arrival_ms), "input_length": r.input_length,
                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
 
 
