@@ -168,7 +168,8 @@ def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path, 
         ensure_topics(Settings(bootstrap=bootstrap, topics=TopicSettings(prefix=prefix)))
         static: tuple[tuple[int, str, int], ...] = ()
         if spec.approx:
-            static = tuple((e.index, e.url, scale.engine_blocks()) for e in engines)
+            # What an engine keeps cached: its G1 and the host tier it offloads to.
+            static = tuple((e.index, e.url, scale.engine_blocks() + scale.host_blocks()) for e in engines)
         else:
             bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
             stack.callback(fleet.stop_all, bridges)
@@ -257,8 +258,8 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
                            "replayer": {"name": replayer_name, "version": replayer.version}, "traces": {}}
     heavy = max(factors)
     plays = [(r, load, "") for load in factors for r in chosen]
-    if restart:
-        plays += [(r, heavy, "restarted") for r in chosen]
+    if restart:  # round-robin has no process to kill
+        plays += [(r, heavy, "restarted") for r in chosen if RouterSpec.parse(r).kind != "round_robin"]
     if kill_engine:
         plays.append(("kvstream-kv", heavy, "engine-killed"))
     runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -378,14 +379,16 @@ def _run(router: str, reqs: list[Request], scale: fleet.Scale, speed: float, n_e
 #: kvstream's gateway counters the bench reads from each replica (summed).
 _GATEWAY = ("kvstream_gateway_prompt_tokens_total", "kvstream_gateway_predicted_cached_tokens_total",
             "kvstream_gateway_forgone_cached_tokens_total", "kvstream_gateway_ttft_seconds_sum",
-            "kvstream_gateway_ttft_seconds_count")
+            "kvstream_gateway_ttft_seconds_count", "kvstream_active_op_lag_seconds_sum",
+            "kvstream_active_op_lag_seconds_count")
 
 
 def _gateway_figures(replicas: Sequence[str]) -> dict[str, Any]:
     """What kvstream's replicas saw of the run: the cached tokens they predicted and the
     ones they gave up for load (credited on another candidate beyond the chosen one's),
-    as shares of the prompt tokens, and their own mean TTFT (from a request's arrival at
-    the gateway: the engine's, the gateway's tokenizing and routing, not the client's)."""
+    as shares of the prompt tokens, their own mean TTFT (from a request's arrival at the
+    gateway: the engine's, the gateway's tokenizing and routing, not the client's), and
+    how late they applied their peers' ops (several replicas)."""
     sums = dict.fromkeys(_GATEWAY, 0.0)
     with httpx.Client(timeout=10.0) as client:
         for url in replicas:
@@ -394,9 +397,10 @@ def _gateway_figures(replicas: Sequence[str]) -> dict[str, Any]:
                 if name in sums:
                     sums[name] += float(line.split()[-1])
     prompt = sums[_GATEWAY[0]] or math.nan
-    count = sums[_GATEWAY[4]]
+    count, ops = sums[_GATEWAY[4]], sums[_GATEWAY[6]]
     return {"router_predicted_share": _r(sums[_GATEWAY[1]] / prompt), "router_forgone_share": _r(sums[_GATEWAY[2]] / prompt),
-            "gateway_ttft_mean_ms": round(1000 * sums[_GATEWAY[3]] / count, 2) if count else None}
+            "gateway_ttft_mean_ms": round(1000 * sums[_GATEWAY[3]] / count, 2) if count else None,
+            "peer_op_lag_mean_ms": round(1000 * sums[_GATEWAY[5]] / ops, 2) if ops else None}
 
 
 def _engine_ttft_ms(engines: list[fleet.Engine]) -> float | None:

@@ -31,8 +31,10 @@ class StaticWorker:
     api_key: str | None = field(default=None, repr=False)
     #: Data-parallel ranks of the engine (candidates before any event names them).
     dp_ranks: int = 1
-    #: KV capacity of the engine's device tier per rank, in blocks: the most blocks it
-    #: may be expected to hold (routed there, unconfirmed); unknown: [router] expected_blocks.
+    #: Blocks the engine keeps cached per rank (its device tier, plus the host memory it
+    #: offloads to): the most blocks it may be expected to hold (routed there, not
+    #: confirmed by events; what routes an engine without events); unknown: [router]
+    #: expected_blocks.
     kv_capacity_blocks: int | None = None
 
     def __post_init__(self) -> None:

@@ -87,7 +87,12 @@ class LoadSharing:
                 tp if tp.offset >= 0 else TopicPartition(self._topic, tp.partition, OFFSET_END) for tp in tps
             ])
             while not self._stop.is_set():
-                for m in consumer.consume(500, 0.1):
+                # Wait for one op, then take what is already there: consume(n, t) waits for
+                # n ops or t, and a peer's op 100 ms late routes on a load 100 ms old.
+                msgs = consumer.consume(1, 0.1)
+                if msgs:
+                    msgs += consumer.consume(499, 0)
+                for m in msgs:
                     if m.error() is not None:
                         continue
                     self._apply_peer_op(m.value(), m.headers(), m.timestamp()[1])
@@ -114,6 +119,7 @@ class LoadSharing:
             try:
                 self._router.apply_active(op)
                 self._metrics.active_ops.labels(source="peer").inc()
+                self._metrics.active_op_lag.observe(max(0.0, time.time() - op.timestamp))
             except RouterError as exc:  # e.g. free of a request that already expired here
                 self._metrics.active_errors.labels(reason=type(exc).__name__).inc()
                 return

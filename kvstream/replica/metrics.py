@@ -66,6 +66,12 @@ class ReplicaMetrics:
             registry=r,
         )
         self.active_ops = Counter("kvstream_active_ops", "Active-sequence ops applied", ["source"], registry=r)
+        self.active_op_lag = Histogram(
+            "kvstream_active_op_lag_seconds",
+            "From a peer's op (its route, first token or end) to this replica applying it: how late it sees "
+            "its peers' load and predicted blocks", buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5),
+            registry=r,
+        )
         self.active_errors = Counter(
             "kvstream_active_op_errors", "Active-sequence ops that could not be applied", ["reason"], registry=r
         )

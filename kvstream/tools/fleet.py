@@ -190,11 +190,15 @@ class Scale:
         """G1 blocks per engine."""
         return self.gpu_blocks or max(64, _GPU_BLOCKS // self.factor)
 
+    def host_blocks(self) -> int:
+        """Host-tier blocks per engine (vLLM's CPU offloading)."""
+        return _CPU_BLOCKS // self.factor if self.cpu_blocks is None else self.cpu_blocks
+
     def engine_flags(self) -> list[str]:
         blocks = self.engine_blocks()
         return [
             "--num-gpu-blocks", str(blocks),
-            "--num-cpu-blocks", str(_CPU_BLOCKS // self.factor if self.cpu_blocks is None else self.cpu_blocks), "--max-model-len", str(blocks * self.block_size // 2),
+            "--num-cpu-blocks", str(self.host_blocks()), "--max-model-len", str(blocks * self.block_size // 2),
             "--max-num-batched-tokens", str(max(2 * self.block_size, _BATCHED_TOKENS // self.factor)),
             "--block-size", str(self.block_size),
             "--prefill-ms-per-token", str(_PREFILL_MS_PER_TOKEN * self.factor),
@@ -277,8 +281,8 @@ class Replica:
     snapshot_dir: Path
     #: The engines' tokenizer.json: the gateway tokenizes text with it (None: on an engine).
     tokenizer: Path | None = None
-    #: Engines given in ``[[gateway.workers]]`` (id, URL, device blocks), for a fleet
-    #: without bridges: routed by predicted blocks alone (approximate mode).
+    #: Engines given in ``[[gateway.workers]]`` (id, URL, blocks it keeps cached), for a
+    #: fleet without bridges: routed by predicted blocks alone (approximate mode).
     static: tuple[tuple[int, str, int], ...] = ()
     port: int = field(default_factory=free_port)
     proc: ManagedProcess | None = None

@@ -68,3 +68,30 @@ def test_prefill_done_and_free_reach_the_owner_from_any_replica(kafka_topics: Se
     finally:
         for r in replicas:
             r.stop()
+
+
+def test_a_refuted_delete_takes_the_prediction_back_on_every_replica(kafka_topics: Settings) -> None:
+    """A route makes its prompt's blocks past the worker's cache expected there, on every
+    replica (through its ADD op); ``DELETE ...?refuted=true`` (the request failed before
+    its first token), sent to any replica, takes them back everywhere."""
+    w = FakeWorkerLog(1)
+    produce(kafka_topics, [(1, w.batch(w.cleared(), w.stored(TOKENS)))])
+    replicas = [start(kafka_topics) for _ in range(2)]
+
+    def expected(r: Replica) -> dict:
+        return r.workers_view()["workers"]["1"].get("expected_blocks", {})
+
+    try:
+        for r in replicas:
+            wait_caught_up(r, kafka_topics)
+        a, b = (TestClient(create_app(r)) for r in replicas)
+        longer = TOKENS + list(range(900, 900 + 32))  # 2 blocks past what worker 1 holds
+        assert a.post("/v1/route", json={"token_ids": longer, "request_id": "r2"}).json()["worker_id"] == 1
+        _until(lambda: all(expected(r) == {"0": 2} for r in replicas), "the prediction did not reach every replica")
+        route = b.post("/v1/route", json={"token_ids": longer, "query_only": True, "explain": True}).json()
+        assert route["overlap"] == {"device": 4, "host_pinned": 0, "disk": 0, "external": 0, "expected": 2}
+        assert b.delete("/v1/requests/r2?refuted=true").status_code == 200
+        _until(lambda: all(expected(r) == {} for r in replicas), "a refuted free left a prediction somewhere")
+    finally:
+        for r in replicas:
+            r.stop()
