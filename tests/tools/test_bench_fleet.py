@@ -60,4 +60,4 @@ def test_bench_fleet_approx_replicas_and_restarts(kafka_bootstrap: str) -> None:
         row = rows[name]["1x"]
         assert row["restart"]["down_s"] > 0, name
         assert row["halves"]["second"]["failed"] < row["halves"]["second"]["requests"], name
-        assert row["shed_rate"] == row["failed"] / row["requests"]
+        assert row["shed_rate"] == round(row["failed"] / row["requests"], 4)
