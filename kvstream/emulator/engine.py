@@ -43,13 +43,20 @@ class Ticket:
 
 
 class Engine:
-    def __init__(self, options: EmulatorOptions) -> None:
+    """One DP rank: its own scheduler, KV cache, metrics' label set and KV-event sockets."""
+
+    def __init__(self, options: EmulatorOptions, rank: int, engine_id: str) -> None:
         self.options = options
         self.pool = BlockPool(options.num_gpu_blocks, options.block_size)
         self.host = HostTier(options.num_cpu_blocks) if options.num_cpu_blocks else None
         self.scheduler = Scheduler(self.pool, options.cost, self.host)
-        self.metrics = EngineMetrics(options.model, options.kv_events.data_parallel_rank if options.kv_events else 0)
-        self.publisher = KvEventPublisher(options.kv_events) if options.kv_events else None
+        self.metrics = EngineMetrics(options.model, rank)
+        self.publisher = KvEventPublisher(options.kv_events, rank) if options.kv_events else None
+        #: vLLM's KV connector engine id (its ``kv_transfer_config.engine_id``).
+        self.engine_id = engine_id
+        #: A KV connector (host offloading, or a disaggregated hand-off) counts its hits
+        #: in vLLM's external prefix cache series.
+        self._connector = self.host is not None or options.role != "both"
         self._tickets: dict[EngineRequest, Ticket] = {}
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -71,8 +78,10 @@ class Engine:
             self.publisher.close()
 
     # -- requests -----------------------------------------------------------------------
-    def submit(self, prompt: list[int], max_tokens: int, *, stream: bool, cache_salt: str | None = None) -> Ticket:
-        req = EngineRequest(uuid.uuid4().hex, prompt, max_tokens, time.monotonic(), cache_salt)
+    def submit(self, prompt: list[int], max_tokens: int, *, stream: bool, cache_salt: str | None = None,
+               request_id: str | None = None, receive_kv: bool = False) -> Ticket:
+        req = EngineRequest(request_id or uuid.uuid4().hex, prompt, max_tokens, time.monotonic(), cache_salt,
+                            receive_kv)
         self.scheduler.add(req)
         ticket = Ticket(req, stream)
         self._tickets[req] = ticket
@@ -83,8 +92,20 @@ class Engine:
     def abort(self, ticket: Ticket) -> None:
         if not ticket.request.finished:
             self.scheduler.abort(ticket.request)
+            # Now, not at the end of the step in flight: a router reading the counters
+            # right after a failed leg sees it gone.
+            self._gauges()
             _log.info("emulate.abort", request=ticket.request.request_id)
         self._tickets.pop(ticket.request, None)
+
+    @property
+    def load(self) -> float:
+        """vLLM 0.33's DP balancing score of this rank (DPLBAsyncMPClient, core_client.py):
+        waiting + running requests, the waiting weighed up to 3× more as KV usage goes from
+        50 % to 100 % (a queue on a full cache drains slowly). vLLM reads the counts from a
+        100 ms snapshot and its own in-flight requests; here they are exact."""
+        waiting = len(self.scheduler.waiting)
+        return waiting + len(self.scheduler.running) + waiting * 6.0 * max(0.0, self.pool.usage - 0.5)
 
     def reset_prefix_cache(self) -> bool:
         done = self.pool.reset()
@@ -142,9 +163,10 @@ class Engine:
         if out.queried:
             m.prefix_queries.inc(out.queried)
             m.prefix_hits.inc(out.hit)
-            if self.host is not None:
+            if self._connector:
                 m.external_queries.inc(out.queried)
-                m.external_hits.inc(out.host_hit)
+                m.external_hits.inc(out.host_hit + out.received)
+                m.kv_received.inc(out.received)
         made = 0
         for req, n in out.advanced:
             made += n

@@ -44,8 +44,9 @@ class KvEventPublisher:
     """Started inside the engine's event loop: ``publish`` sends one batch now (PUB never
     blocks: past its high-water mark ZMQ drops, as for vLLM), replays run as a task."""
 
-    def __init__(self, options: KvEventsOptions) -> None:
+    def __init__(self, options: KvEventsOptions, rank: int) -> None:
         self.options = options
+        self.rank = rank
         # PUB is a plain socket (a send never waits); the replay ROUTER is awaited.
         self._ctx = zmq.asyncio.Context.instance()
         self._sync_ctx = zmq.Context.instance()
@@ -57,7 +58,6 @@ class KvEventPublisher:
         self._pub.set_hwm(options.hwm)
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
-        rank = options.data_parallel_rank
         try:
             self.endpoint = self._bind(self._pub, offset_endpoint(options.endpoint, rank))
             if options.replay_endpoint is not None:
@@ -86,7 +86,7 @@ class KvEventPublisher:
 
     def publish(self, events: list[KvEvent]) -> None:
         seq = next(self._seq)
-        payload = self._encoder.encode(EventBatch(time.time(), list(events), self.options.data_parallel_rank))
+        payload = self._encoder.encode(EventBatch(time.time(), list(events), self.rank))
         seq_bytes = seq.to_bytes(8, "big")
         try:
             self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)

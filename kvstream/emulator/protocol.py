@@ -97,7 +97,10 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
                                "placeholders)", param=name)
 
 
-def parse(body: Any, *, chat: bool, served: str, max_model_len: int, tokenizer: EngineTokenizer) -> Generation:
+def parse(body: Any, *, chat: bool, served: str, max_model_len: int, tokenizer: EngineTokenizer,
+          request_id: str | None = None) -> Generation:
+    """``request_id``: the ``X-Request-Id`` header, which vLLM's ids are made from (a
+    disaggregating router sends the same one to both legs)."""
     if not isinstance(body, Mapping):
         raise RequestError("the request body must be a JSON object")
     model = _typed(body, "model", str, served)
@@ -141,7 +144,7 @@ def parse(body: Any, *, chat: bool, served: str, max_model_len: int, tokenizer: 
                            param="min_tokens")
     prefix = "chatcmpl" if chat else "cmpl"
     return Generation(chat, model, ids, max_tokens, min_tokens, ignore_eos, stream, include_usage, salt,
-                      f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+                      f"{prefix}-{request_id or uuid.uuid4().hex}", int(time.time()))
 
 
 # -- responses --------------------------------------------------------------------------
@@ -157,8 +160,10 @@ def _head(g: Generation, chunk: bool) -> dict[str, Any]:
     return {"id": g.request_id, "object": kind, "created": g.created, "model": g.model}
 
 
-def response(g: Generation, text: str, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """The whole answer of a request that did not stream."""
+def response(g: Generation, text: str, completion_tokens: int, cached_tokens: int,
+             kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole answer of a request that did not stream (``kv_transfer_params``: a
+    disaggregated prefill leg's, for its decode leg)."""
     if g.chat:
         choice: dict[str, Any] = {
             "index": 0,
@@ -170,7 +175,8 @@ def response(g: Generation, text: str, completion_tokens: int, cached_tokens: in
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
                   "prompt_logprobs": None}
     return {**_head(g, False), "choices": [choice], "service_tier": None, "system_fingerprint": None,
-            "usage": usage(len(g.prompt), completion_tokens, cached_tokens), "kv_transfer_params": None}
+            "usage": usage(len(g.prompt), completion_tokens, cached_tokens),
+            "kv_transfer_params": kv_transfer_params}
 
 
 def chunk(g: Generation, text: str, finished: bool, *, first: bool = False) -> dict[str, Any]:

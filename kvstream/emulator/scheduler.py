@@ -6,7 +6,9 @@ theirs; then waiting requests are admitted first come first served while the bud
 batch limit (``--max-num-seqs``) and free blocks allow, each looking up its cached prefix
 (at least the last prompt token is computed: it makes the first output token), and with a
 host tier (``--num-cpu-blocks``) the continuation held there is loaded instead of
-computed, at the cost model's onboarding cost per token. Blocks are
+computed, at the cost model's onboarding cost per token; a disaggregated decode leg
+receives the rest of its prompt's KV from the prefill engine, at the cost model's
+transfer cost per token, and computes only the last prompt token. Blocks are
 cached (prompt and output blocks alike) when the step that computes them is scheduled, as
 vLLM caches them. A running request that cannot get a block preempts the newest running
 one (its blocks are freed, it waits again at the head of the queue, as vLLM's recompute
@@ -39,6 +41,10 @@ class EngineRequest:
     max_tokens: int
     arrival: float
     cache_salt: str | None = None
+    #: The prompt's KV comes from a prefill engine (a disaggregated decode leg): what the
+    #: caches lack is received at admission, not computed (once: a preempted request
+    #: computes it again, as vLLM clears ``do_remote_prefill`` after the transfer).
+    receive_kv: bool = False
     hashes: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_output: int = 0
@@ -74,7 +80,8 @@ class Step:
     prefill_tokens: int
     decoding: int
     context: int
-    #: Loading the admitted requests' blocks from the host tier.
+    #: Loading the admitted requests' blocks from the host tier, receiving them from a
+    #: prefill engine.
     onboard_ms: float = 0.0
 
     def ms(self, cost: CostModel, steps: int | None = None) -> float:
@@ -91,10 +98,12 @@ class StepOutput:
     advanced: tuple[tuple[EngineRequest, int], ...]
     finished: tuple[EngineRequest, ...]
     #: Prompt tokens looked up and found in G1, and in the host tier, by requests first
-    #: scheduled (vLLM's prefix cache and external prefix cache counters).
+    #: scheduled (vLLM's prefix cache and external prefix cache counters), and prompt
+    #: tokens received from a prefill engine.
     queried: int
     hit: int
     host_hit: int
+    received: int
 
 
 class Scheduler:
@@ -108,6 +117,7 @@ class Scheduler:
         self._queried = 0
         self._hit = 0
         self._host_hit = 0
+        self._received = 0
         self.preemptions = 0
 
     # -- requests -----------------------------------------------------------------------
@@ -178,6 +188,11 @@ class Scheduler:
             loaded = self.host.match(req.hashes[len(hits):most]) if self.host is not None else 0
             hit_tokens = len(hits) * self.bs
             done = hit_tokens + loaded * self.bs
+            # vLLM's NixlConnector receives every prompt token the caches lack, then
+            # computes the last one again (its logits make the first output token).
+            received = len(req.prompt) - done if req.receive_kv else 0
+            if received:
+                done = len(req.prompt) - 1
             n = min(req.num_tokens - done, budget)
             new = math.ceil((done + n) / self.bs) - len(hits)
             if not self.pool.can_take(hits, new):
@@ -188,6 +203,8 @@ class Scheduler:
                 assert self.host is not None
                 self.host.touch(req.hashes[len(hits):len(hits) + loaded])
                 onboard_ms += loaded * self.bs * self.cost.onboard_host_ms_per_token
+            onboard_ms += received * self.cost.kv_transfer_ms_per_token
+            req.receive_kv = False
             req.blocks = hits + (self.pool.allocate(new) or [])
             req.num_cached_blocks = len(hits)
             req.num_computed = done
@@ -196,6 +213,7 @@ class Scheduler:
                 self._queried += req.num_tokens
                 self._hit += hit_tokens
                 self._host_hit += loaded * self.bs
+                self._received += received
             self.running.append(req)
             work.append((req, n))
             budget -= n
@@ -235,8 +253,9 @@ class Scheduler:
                     self.running.remove(req)
                     self.pool.release(req.blocks)
                     finished.append(req)
-        out = StepOutput(tuple(advanced), tuple(finished), self._queried, self._hit, self._host_hit)
-        self._queried = self._hit = self._host_hit = 0
+        out = StepOutput(tuple(advanced), tuple(finished), self._queried, self._hit, self._host_hit,
+                         self._received)
+        self._queried = self._hit = self._host_hit = self._received = 0
         return out
 
     # -- blocks -------------------------------------------------------------------------

@@ -31,6 +31,9 @@ class CostModel:
     #: moved, with no compute (128 KiB over ~25 GB/s PCIe, and over ~5 GB/s NVMe).
     onboard_host_ms_per_token: float = 0.005
     onboard_disk_ms_per_token: float = 0.025
+    #: Receiving a prompt token's KV from a prefill engine (a disaggregated decode):
+    #: bytes moved, no compute (128 KiB over ~50 GB/s of RDMA, a 400 Gb/s NIC).
+    kv_transfer_ms_per_token: float = 0.0026
     #: Requests running at once (decoding, or being prefilled).
     batch_limit: int = 32
     #: Tokens per step (chunked prefill; vLLM's --max-num-batched-tokens).
@@ -38,7 +41,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("prefill_ms_per_token", "decode_ms_per_token", "decode_ms_per_context_token",
-                     "min_step_ms", "onboard_host_ms_per_token", "onboard_disk_ms_per_token"):
+                     "min_step_ms", "onboard_host_ms_per_token", "onboard_disk_ms_per_token",
+                     "kv_transfer_ms_per_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise EngineModelError(f"cost {name} must be a finite number >= 0, got {value}")

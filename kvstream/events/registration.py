@@ -7,13 +7,16 @@ kvstream.events.wire); its value is a ``kvstream.workers.WorkerRegistration`` (s
 or null, a tombstone, when the worker left. A registration that breaks a rule (a URL
 that is not ``http(s)://host[:port]``, a padded model name, repeated ranks) cannot be
 built, so none can be encoded or decoded: RegistrationError says why.
+
+Version 2 of the record adds the worker's role (issue 34); a v1 record reads as role BOTH.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvstream.events.codec import AvroCodec
@@ -23,9 +26,32 @@ from kvstream.events.wire import to_long, to_u64
 
 WORKER_REGISTRATION = "kvstream.workers.WorkerRegistration"
 _U32_MAX = (1 << 32) - 1
+_PORT_MAX = 65535
 #: Longest model or adapter name accepted (OpenAI ids are short; this bounds a record).
 MAX_NAME_CHARS = 256
 MAX_NAMES = 1024
+
+
+class Role(StrEnum):
+    """What a worker's engine does with a request (issue 34): all of it, or one leg of a
+    disaggregated request, as vLLM's ``kv_role`` and SGLang's ``--disaggregation-mode``."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Handoff(StrEnum):
+    """How a disaggregated request's KV goes from its prefill engine to its decode engine,
+    which decides the two legs' bodies (kvstream.gateway.disagg)."""
+
+    #: vLLM's NixlConnector: the prefill leg first (``kv_transfer_params``
+    #: ``do_remote_decode``, one token, not streamed); its answer's ``kv_transfer_params``
+    #: go with the decode leg.
+    NIXL = "nixl"
+    #: SGLang's bootstrap: both legs at once, each with the prefill engine's
+    #: ``bootstrap_host``/``bootstrap_port`` and one ``bootstrap_room``.
+    BOOTSTRAP = "bootstrap"
 
 
 def normalize_url(url: str) -> str:
@@ -42,6 +68,25 @@ def normalize_url(url: str) -> str:
     except ValueError:
         raise RegistrationError(f"engine URL {url[:200]!r} has a bad port") from None
     return url.strip().rstrip("/")
+
+
+def check_role(role: Role, handoff: Handoff | None, bootstrap_port: int | None) -> None:
+    """The rules of a worker's role, for registered and static workers alike (the gateway
+    can only split a request between engines that agree on a hand-off, and can only point
+    a bootstrap decode leg at a prefill engine's known port); RegistrationError says which
+    one is broken."""
+    if role is Role.BOTH:
+        if handoff is not None:
+            raise RegistrationError(f"role both takes no handoff, got {handoff}")
+    elif handoff is None:
+        raise RegistrationError(f"role {role} needs a handoff ({' or '.join(Handoff)})")
+    if bootstrap_port is None:
+        if role is Role.PREFILL and handoff is Handoff.BOOTSTRAP:
+            raise RegistrationError("a prefill worker of handoff bootstrap needs its bootstrap_port")
+    elif handoff is not Handoff.BOOTSTRAP:
+        raise RegistrationError(f"bootstrap_port goes only with handoff bootstrap, got handoff {handoff}")
+    elif not 1 <= bootstrap_port <= _PORT_MAX:
+        raise RegistrationError(f"bootstrap_port {bootstrap_port} is not in 1..{_PORT_MAX}")
 
 
 def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
@@ -71,6 +116,11 @@ class Registration:
     kv_capacity_blocks: int | None
     epoch: int
     registered_at_ms: int
+    #: Whole requests, or one leg of a disaggregated one (issue 34), and the hand-off.
+    role: Role = Role.BOTH
+    handoff: Handoff | None = None
+    #: A bootstrap prefill engine's ``--disaggregation-bootstrap-port``.
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_id <= U64_MAX or not 0 <= self.epoch <= U64_MAX:
@@ -89,6 +139,7 @@ class Registration:
             raise RegistrationError("engine kind must be 1..64 characters")
         if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 0:
             raise RegistrationError(f"kv_capacity_blocks {self.kv_capacity_blocks} is negative")
+        check_role(self.role, self.handoff, self.bootstrap_port)
 
     def view(self) -> dict[str, Any]:
         """JSON-ready, for /v1/workers and ``kvstream replay workers``."""
@@ -97,11 +148,14 @@ class Registration:
             "block_size": self.block_size, "dp_ranks": list(self.dp_ranks), "engine": self.engine,
             "kv_capacity_blocks": self.kv_capacity_blocks, "epoch": self.epoch,
             "registered_at_ms": self.registered_at_ms, "routable": self.url is not None,
+            "role": self.role.value, "handoff": None if self.handoff is None else self.handoff.value,
+            "bootstrap_port": self.bootstrap_port,
         }
 
 
 class RegistrationCodec:
-    """:class:`Registration` ↔ single-object Avro bytes of ``WorkerRegistration``."""
+    """:class:`Registration` ↔ single-object Avro bytes of ``WorkerRegistration``
+    (its enums' symbols are the upper-case names of Role and Handoff)."""
 
     def __init__(self, codec: AvroCodec | None = None) -> None:
         self.codec = codec if codec is not None else AvroCodec()
@@ -114,6 +168,8 @@ class RegistrationCodec:
                 "loras": list(reg.loras), "block_size": reg.block_size, "dp_ranks": list(reg.dp_ranks),
                 "engine": reg.engine, "kv_capacity_blocks": reg.kv_capacity_blocks,
                 "epoch": to_long(reg.epoch, "epoch"), "registered_at_ms": reg.registered_at_ms,
+                "role": reg.role.name, "handoff": None if reg.handoff is None else reg.handoff.name,
+                "bootstrap_port": reg.bootstrap_port,
             },
         )
 
@@ -131,6 +187,21 @@ class RegistrationCodec:
                 loras=tuple(r["loras"]), block_size=r["block_size"], dp_ranks=tuple(r["dp_ranks"]),
                 engine=r["engine"], kv_capacity_blocks=r["kv_capacity_blocks"],
                 epoch=to_u64(r["epoch"]), registered_at_ms=r["registered_at_ms"],
+                # A reader pinned to v1 has no role: the worker's is then v1's, BOTH.
+                role=_symbol(Role, r.get("role", Role.BOTH.name)),
+                handoff=None if r.get("handoff") is None else _symbol(Handoff, r["handoff"]),
+                bootstrap_port=r.get("bootstrap_port"),
             )
         except RegistrationError as exc:
             raise RegistrationError(f"invalid registration: {exc}", reason="invalid") from None
+
+
+_E = TypeVar("_E", Role, Handoff)
+
+
+def _symbol(enum: type[_E], symbol: str) -> _E:
+    """The member an Avro symbol names; UNKNOWN (a symbol added after this reader) is none."""
+    try:
+        return enum[symbol]
+    except KeyError:
+        raise RegistrationError(f"{enum.__name__.lower()} {symbol} is not one this reader knows") from None

@@ -25,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvstream.gateway import disagg
 from kvstream.gateway.errors import (
     ApiError,
     bad_request,
@@ -80,6 +81,9 @@ class Gateway:
         self._created = int(time.time())
         self._serving_of: Sequence[WorkerEndpoint] | None = None
         self._serving_by_model: dict[str, tuple[WorkerEndpoint, ...]] = {}
+        #: Each model's disaggregated plan (None: whole requests) or why it has none, kept as
+        #: long as its workers.
+        self._plans: dict[str, disagg.Plan | ApiError | None] = {}
 
     # -- running -------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class Gateway:
             if not endpoints:
                 raise unknown_model(req.model)
             known = req.model
+            plan = self._plan(req.model, endpoints) if endpoint is not Endpoint.EMBEDDINGS else None
             if not self.replica.ready:
                 raise unavailable("the replica is not ready (catching up with the log)", self.options.retry_after_s)
             up = self.choosable(endpoints, (), req.model)
@@ -207,17 +212,29 @@ class Gateway:
             self._left()
             raise
         lora = req.model if any(req.model in ep.loras for ep in endpoints) else None
-        return Exchange(self, req, raw, scope["headers"], request_id, ids, lora, endpoints, started)
+        return Exchange(self, req, raw, scope["headers"], request_id, ids, lora, endpoints, started, plan)
 
     def _serving(self, model: str) -> Sequence[WorkerEndpoint]:
         """The directory's workers serving ``model``, kept while the directory gives the
         same sequence of workers (an unchanged registry)."""
         workers = self.directory.endpoints()
         if workers is not self._serving_of:
-            self._serving_of, self._serving_by_model = workers, {}
+            self._serving_of, self._serving_by_model, self._plans = workers, {}, {}
         found = self._serving_by_model.get(model)
         if found is None:
             found = self._serving_by_model[model] = tuple(ep for ep in workers if ep.serves(model))
+        return found
+
+    def _plan(self, model: str, endpoints: Sequence[WorkerEndpoint]) -> disagg.Plan | None:
+        """The legs of ``model``'s requests (after :meth:`_serving`, whose workers it keeps)."""
+        if model not in self._plans:
+            try:
+                self._plans[model] = disagg.plan(endpoints, model, self.options.retry_after_s)
+            except ApiError as exc:
+                self._plans[model] = exc
+        found = self._plans[model]
+        if isinstance(found, ApiError):
+            raise found.with_traceback(None)  # one error kept: no traceback piling up on it
         return found
 
     async def models(self, request: Request) -> Response:
@@ -296,7 +313,10 @@ class Gateway:
         if ttft is not None:
             m.of(m.ttft, model).observe(ttft)
         usage = ex.usage
-        details = usage.get("prompt_tokens_details") if usage else None
+        # A disaggregated request's cache is its prefill's (the decode engine's count is
+        # of the KV it was sent).
+        cached_by = ex.prefill_usage if ex.plan is not None else usage
+        details = cached_by.get("prompt_tokens_details") if cached_by else None
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         cached = cached if type(cached) is int and cached >= 0 else None
         prompt_tokens = usage.get("prompt_tokens") if usage else None
@@ -309,7 +329,7 @@ class Gateway:
                 m.of(m.engine_cached, model).inc(cached)
         log.info(
             "gateway request", request_id=ex.request_id, load_id=ex.life.request_id, model=model, endpoint=endpoint, worker=ex.tried_last,
-            attempts=ex.attempts, predicted_cached_tokens=ex.predicted, forgone_cached_tokens=ex.forgone,
+            prefill_worker=ex.prefill_worker, attempts=ex.attempts, predicted_cached_tokens=ex.predicted, forgone_cached_tokens=ex.forgone,
             engine_cached_tokens=cached,
             prompt_tokens=prompt_tokens, ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             e2e_ms=round((end - ex.started) * 1000, 3), status=ex.status, outcome=ex.outcome,

@@ -31,10 +31,15 @@ INLINE_ROUTE_TOKENS = 32_768
 class RequestLife:
     """The load one request puts on the fleet, for one attempt at a time."""
 
-    __slots__ = ("added", "limiter", "prefilled", "replica", "request_id", "unshared")
+    __slots__ = ("added", "limiter", "prefilled", "replica", "request_id", "timed", "unshared")
 
-    def __init__(self, replica: Replica, limiter: anyio.CapacityLimiter) -> None:
+    def __init__(self, replica: Replica, limiter: anyio.CapacityLimiter, timed: bool = True) -> None:
         self.replica, self.limiter = replica, limiter
+        #: False for a leg whose first token follows no prefill (a disaggregated request's
+        #: decode leg: its prompt's KV came by transfer): it shares no PREFILL_DONE, so no
+        #: replica learns a prefill rate from it, and its worker carries the prompt until
+        #: the request ends (the KV it holds is the decode worker's load).
+        self.timed = timed
         self.request_id = request_ids.mint("gw-")
         self.added = False
         self.prefilled = False
@@ -68,7 +73,8 @@ class RequestLife:
         self._share_add()
         if self.added and not self.prefilled:
             self.prefilled = True
-            await self._op(self.replica.prefill_done)
+            if self.timed:
+                await self._op(self.replica.prefill_done)
 
     async def free(self) -> None:
         """The attempt ended: before its first token it is refuted (failed, cancelled or

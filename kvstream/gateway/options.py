@@ -14,6 +14,10 @@ from pydantic import ConfigDict
 from kvstream.gateway.errors import OptionsError
 
 _U64_END = 1 << 64
+#: The values of kvstream.events.registration's Role and Handoff (this layer cannot
+#: import them; kvstream.gateway.static converts, and checks their rules there).
+ROLES = ("both", "prefill", "decode")
+HANDOFFS = ("nixl", "bootstrap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,12 @@ class StaticWorker:
     #: confirmed by events; what routes an engine without events); unknown: [router]
     #: expected_blocks.
     kv_capacity_blocks: int | None = None
+    #: ``both``, or one leg of a disaggregated request: ``prefill`` or ``decode`` (issue 34).
+    role: str = "both"
+    #: Prefill or decode only: ``nixl`` (vLLM's NixlConnector) or ``bootstrap`` (SGLang).
+    handoff: str | None = None
+    #: A ``bootstrap`` prefill engine's ``--disaggregation-bootstrap-port``.
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.id < _U64_END:
@@ -50,6 +60,10 @@ class StaticWorker:
             raise OptionsError(f"worker {self.id}: kv_capacity_blocks must be >= 0, got {self.kv_capacity_blocks}")
         if self.api_key is not None and not self.api_key.strip():
             raise OptionsError(f"worker {self.id}: api_key is empty")
+        if self.role not in ROLES:
+            raise OptionsError(f"worker {self.id}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.handoff is not None and self.handoff not in HANDOFFS:
+            raise OptionsError(f"worker {self.id}: handoff must be one of {', '.join(HANDOFFS)}, got {self.handoff!r}")
 
 
 #: Bytes of token ids and text a model's prefix cache holds by default.

@@ -8,6 +8,10 @@ byte a failure ends the stream with an SSE error event. A stream is relayed chun
 chunk as it arrives; only the chunks up to the first content token are parsed (for
 ``prefill_done``) and the last 64 KiB kept (for the final ``usage``). A client that
 disconnects cancels the upstream request (its connection is closed) and frees the load.
+
+A disaggregated request (kvstream.gateway.disagg) has a prefill leg besides: vLLM's goes
+first (retried on another prefill worker), SGLang's goes with each decode attempt (a
+failed prefill retries the pair); each leg adds and frees its own load on its worker.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from kvstream.events.registration import Handoff
+from kvstream.gateway import disagg
 from kvstream.gateway.errors import (
     ApiError,
     UpstreamError,
@@ -35,6 +41,7 @@ from kvstream.logs import get_logger
 from kvstream.router.core import PromptTokens
 from kvstream.router.errors import NoEligibleWorkerError
 from kvstream.router.index import WorkerKey
+from kvstream.router.router import RouteDecision
 
 if TYPE_CHECKING:
     import anyio
@@ -193,9 +200,9 @@ def _count(usage: dict | None, *path: str) -> int | None:
 class _Upstream(Exception):
     """An attempt that failed before the worker's first byte (retried elsewhere)."""
 
-    def __init__(self, reason: str, error: ApiError, answer: tuple[int, list, bytes] | None = None) -> None:
+    def __init__(self, worker: int, reason: str, error: ApiError, answer: tuple[int, list, bytes] | None = None) -> None:
         super().__init__(error.message)
-        self.reason, self.error, self.answer = reason, error, answer
+        self.worker, self.reason, self.error, self.answer = worker, reason, error, answer
 
 
 class Relaying(Protocol):
@@ -236,11 +243,23 @@ class Exchange:
         lora: str | None,
         endpoints: Sequence[WorkerEndpoint],
         started: float,
+        plan: disagg.Plan | None = None,
     ) -> None:
         self.gw, self.req, self.raw, self.headers, self.request_id = gateway, req, raw, headers, request_id
-        self.ids, self.lora, self.endpoints, self.started = ids, lora, endpoints, started
+        self.ids, self.lora, self.started = ids, lora, started
         self.track = req.endpoint is not Endpoint.EMBEDDINGS
-        self.life = RequestLife(gateway.replica, gateway.limiter)
+        self.life = RequestLife(gateway.replica, gateway.limiter, timed=plan is None)
+        #: A disaggregated request's legs: the decode leg is the one relayed (``endpoints``).
+        self.plan = plan
+        self.endpoints = plan.decode if plan is not None else endpoints
+        self.prefill_life = RequestLife(gateway.replica, gateway.limiter) if plan is not None else None
+        #: The prefill worker of the last prefill leg, and those that failed one.
+        self.prefill_worker: int | None = None
+        self.prefill_tried: set[int] = set()
+        #: SGLang's prefill leg, running beside the decode leg.
+        self.prefill_task: asyncio.Task | None = None
+        #: The ``usage`` of the prefill leg's answer (its engine's cached tokens).
+        self.prefill_usage: dict | None = None
         self.status = 0
         self.outcome = "ok"
         #: The worker holding the request now (engaged: released at the end).
@@ -297,6 +316,8 @@ class Exchange:
     async def _end(self) -> None:
         if self.response is not None:
             self.response.close()  # a relay cut short: the worker sees its client leave
+        if self.prefill_task is not None:
+            await _settle(self.prefill_task)
         if self.worker is not None:
             self.gw.release(self.worker)
             if self.disconnected:
@@ -317,6 +338,14 @@ class Exchange:
 
     async def _run(self, send: Any) -> None:
         gw = self.gw
+        if self.plan is not None and self.plan.handoff is Handoff.NIXL:
+            refused = await self._nixl_prefill()
+            if refused is not None:  # the prefill worker refused the request itself: its answer is the client's
+                status, headers, body = refused
+                self.outcome = f"worker_{status}"
+                await self._start(send, status, headers, len(body))
+                await send({"type": "http.response.body", "body": body})
+                return
         tried: set[int] = set()
         last: _Upstream | None = None
         for _ in range(1 + gw.options.retries):
@@ -330,11 +359,12 @@ class Exchange:
                 resp = await self._attempt(eps)
             except _Upstream as exc:
                 last = exc
-                tried.add(self.worker)  # type: ignore[arg-type]
-                gw.metrics.upstream_failures.labels(worker=str(self.worker), reason=exc.reason).inc()
-                gw.health.failed(self.worker, exc.error.message)  # type: ignore[arg-type]
-                gw.release(self.worker)  # type: ignore[arg-type]
-                self.worker = None
+                if exc.worker == self.worker:  # not the pair's prefill leg (that one is counted where it failed)
+                    tried.add(exc.worker)
+                    self._failed(exc)
+                if self.worker is not None:
+                    gw.release(self.worker)
+                    self.worker = None
                 await self.life.free()
                 continue
             gw.health.succeeded(self.worker)  # type: ignore[arg-type]
@@ -353,45 +383,159 @@ class Exchange:
         else:
             raise last.error
 
-    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> Response:
-        gw = self.gw
+    def _failed(self, exc: _Upstream) -> None:
+        self.gw.metrics.upstream_failures.labels(worker=str(exc.worker), reason=exc.reason).inc()
+        self.gw.health.failed(exc.worker, exc.error.message)
+
+    async def _choose(self, life: RequestLife, eps: Sequence[WorkerEndpoint]) -> tuple[WorkerEndpoint, RouteDecision]:
+        """One of ``eps`` (engaged), the request's load added on it in ``life``."""
         candidates = [WorkerKey(ep.worker_id, r) for ep in eps for r in range(ep.dp_ranks)]
         try:
-            decision = await self.life.route(self.ids, self.lora, candidates, self.track)
+            decision = await life.route(self.ids, self.lora, candidates, self.track)
         except NoEligibleWorkerError as exc:  # every candidate over the router's busy limits
-            raise overloaded(f"every worker of {self.req.model!r} is busy: {exc}", gw.options.retry_after_s) from None
-        self.attempts += 1
+            raise overloaded(f"every worker of {self.req.model!r} is busy: {exc}", self.gw.options.retry_after_s) from None
         wid = decision.worker.worker_id
-        ep = next(e for e in eps if e.worker_id == wid)
-        self.worker = self.tried_last = wid
-        self.predicted = decision.op.overlap_tokens if decision.op is not None else 0
-        cached = decision.schedule.columns.cached_tokens
-        self.forgone = int(cached.max() - cached[decision.schedule.chosen])
-        gw.engage(wid)
+        self.gw.engage(wid)
+        if life is (self.life if self.plan is None else self.prefill_life):
+            # The prompt's cache is the prefill's: that leg's overlap is the request's.
+            self.predicted = decision.op.overlap_tokens if decision.op is not None else 0
+            cached = decision.schedule.columns.cached_tokens
+            self.forgone = int(cached.max() - cached[decision.schedule.chosen])
+        return next(e for e in eps if e.worker_id == wid), decision
+
+    async def _attempt(self, eps: Sequence[WorkerEndpoint]) -> Response:
+        body, prefill = self.raw, None
+        if self.plan is not None and self.plan.handoff is Handoff.BOOTSTRAP:
+            p_ep, p_decision = await self._choose_prefill()
+            body = disagg.bootstrap_body(self.req.body, p_ep)
+            prefill = self.prefill_task = asyncio.create_task(self._prefill_leg(p_ep, p_decision, body))
+        try:
+            ep, decision = await self._choose(self.life, eps)
+        except BaseException:
+            if prefill is not None:
+                await _settle(prefill)
+            raise
+        self.attempts += 1
+        self.worker = self.tried_last = ep.worker_id
         if self.attempts > 1:
-            gw.metrics.retries.labels(reason=self.outcome).inc()
+            self.gw.metrics.retries.labels(reason=self.outcome).inc()
+        if prefill is None:
+            return await self._post(ep, decision, body)
+        decode = asyncio.ensure_future(self._post(ep, decision, body))
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() or decode.exception() is not None:
+                # A decode leg fails when its prefill does (no KV to meet): the pair is the
+                # prefill's to answer for if that leg fails too, before it could have connected.
+                await asyncio.wait((prefill,), timeout=self.gw.options.connect_timeout_s)
+                if prefill.done() and prefill.exception() is not None:
+                    raise prefill.exception()  # type: ignore[misc]  # the pair is retried elsewhere
+            return await decode
+        except BaseException:
+            await _settle(decode)
+            await _settle(prefill)
+            raise
+
+    async def _post(self, ep: WorkerEndpoint, decision: RouteDecision, body: bytes) -> Response:
+        """``body`` sent to ``ep``: its answer once its head is whole; _Upstream when the
+        worker cannot be reached, sends nothing in time or answers 5xx."""
+        gw, wid = self.gw, ep.worker_id
         rank = decision.worker.dp_rank
         headers = upstream_headers(self.headers, self.request_id, ep.api_key, rank if rank or ep.dp_ranks > 1 else None)
         try:
-            resp = await gw.upstream.request(ep.url, b"POST", self.req.endpoint.value.encode(), headers, self.raw)
+            resp = await gw.upstream.request(ep.url, b"POST", self.req.endpoint.value.encode(), headers, body)
         except UpstreamTimeout:
             self.outcome = "timeout"
-            raise _Upstream("timeout", upstream_failed(504, f"worker {wid} sent nothing within {gw.options.read_timeout_s}s")) from None
+            raise _Upstream(wid, "timeout", upstream_failed(504, f"worker {wid} sent nothing within {gw.options.read_timeout_s}s")) from None
         except UpstreamError as exc:
             self.outcome = "connect"
-            raise _Upstream("connect", upstream_failed(502, f"worker {wid} is unreachable: {exc}")) from None
+            raise _Upstream(wid, "connect", upstream_failed(502, f"worker {wid} is unreachable: {exc}")) from None
         if resp.status >= 500:
             self.outcome = f"status_{resp.status}"
             try:
-                body = await resp.read()
+                answer = await resp.read()
             except UpstreamError:
-                body = b""
+                answer = b""
             finally:
                 resp.close()
             raise _Upstream(
-                "5xx", upstream_failed(502, f"worker {wid} answered {resp.status}"), (resp.status, self._relayed(resp), body)
+                wid, "5xx", upstream_failed(502, f"worker {wid} answered {resp.status}"), (resp.status, self._relayed(resp), answer)
             )
         return resp
+
+    # -- the prefill leg ------------------------------------------------------------------
+
+    async def _choose_prefill(self) -> tuple[WorkerEndpoint, RouteDecision]:
+        assert self.plan is not None and self.prefill_life is not None
+        eps = self.gw.choosable(self.plan.prefill, self.prefill_tried, self.req.model)
+        ep, decision = await self._choose(self.prefill_life, eps)
+        self.prefill_worker = ep.worker_id
+        return ep, decision
+
+    async def _prefill_leg(self, ep: WorkerEndpoint, decision: RouteDecision, body: bytes) -> tuple[int, list, bytes]:
+        """``body`` to the prefill worker ``ep`` (engaged, its load added): its whole
+        answer; _Upstream (counted against it) when it failed. The leg's load ends with it."""
+        assert self.prefill_life is not None
+        prefilled = False
+        try:
+            resp = await self._post(ep, decision, body)
+            try:
+                answer = await resp.read()
+            except UpstreamError as exc:
+                raise _Upstream(ep.worker_id, "broken", upstream_failed(
+                    502, f"prefill worker {ep.worker_id}'s answer broke off: {type(exc).__name__}: {exc}")) from None
+            finally:
+                resp.close()
+            prefilled = resp.status == 200
+            if prefilled:
+                self.prefill_usage = body_usage(answer)
+            self.gw.health.succeeded(ep.worker_id)
+            return resp.status, self._relayed(resp), answer
+        except _Upstream as exc:
+            self.prefill_tried.add(ep.worker_id)
+            self._failed(exc)
+            raise
+        finally:
+            # Shielded: a leg cancelled with its client still gives its load back.
+            await asyncio.shield(self._prefill_ended(ep.worker_id, prefilled))
+
+    async def _prefill_ended(self, worker: int, prefilled: bool) -> None:
+        assert self.prefill_life is not None
+        self.gw.release(worker)
+        if prefilled:
+            await self.prefill_life.prefill_done()
+        await self.prefill_life.free()
+
+    async def _nixl_prefill(self) -> tuple[int, list, bytes] | None:
+        """vLLM's prefill leg, retried on other prefill workers; then the decode leg's body
+        carries its ``kv_transfer_params``. The prefill worker's answer when it refused the
+        request (4xx: the client's answer); ApiError when no prefill worker could do it."""
+        body = disagg.nixl_prefill_body(self.req.body)
+        last: _Upstream | None = None
+        for _ in range(1 + self.gw.options.retries):
+            try:
+                ep, decision = await self._choose_prefill()
+            except ApiError:
+                if last is None:
+                    raise
+                break
+            try:
+                status, headers, answer = await self._prefill_leg(ep, decision, body)
+            except _Upstream as exc:
+                last = exc
+                continue
+            if status != 200:
+                return status, headers, answer
+            try:
+                params = disagg.nixl_transfer_params(answer)
+            except ValueError as exc:
+                self.outcome = "upstream_prefill"
+                raise upstream_failed(502, f"prefill worker {ep.worker_id}: {exc}") from None
+            self.raw = disagg.nixl_decode_body(self.req.body, params)
+            return None
+        assert last is not None
+        self.outcome = f"upstream_{last.reason}"
+        raise last.error
 
     # -- the answer ----------------------------------------------------------------------
 
@@ -405,6 +549,8 @@ class Exchange:
             (b"x-kvstream-worker", str(self.tried_last).encode()),
             (b"x-kvstream-cached-tokens", str(self.predicted).encode()),
         ]
+        if self.prefill_worker is not None:
+            headers.append((b"x-kvstream-prefill-worker", str(self.prefill_worker).encode()))
         if length is not None:
             headers.append((b"content-length", str(length).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -466,3 +612,14 @@ class Exchange:
         self.usage = stream_usage(bytes(tail))
         self.finished = True
         await send({"type": "http.response.body", "body": b""})
+
+
+async def _settle(task: asyncio.Future) -> None:
+    """``task`` ended: cancelled if still running, and waited for (its cleanup runs),
+    its failure already counted where it happened."""
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the leg's own failure, already handled
+        pass

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvstream.events.registration import Handoff, Role
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerEndpoint:
@@ -32,6 +34,12 @@ class WorkerEndpoint:
     kv_capacity_blocks: int | None = None
     #: The worker's own credential (sent as ``Authorization: Bearer``; the client's never is).
     api_key: str | None = field(default=None, repr=False)
+    #: Whole requests (BOTH), or one leg of a disaggregated request (issue 34).
+    role: Role = Role.BOTH
+    #: The KV hand-off of a PREFILL or DECODE worker; None for BOTH.
+    handoff: Handoff | None = None
+    #: SGLang's prefill engine: its ``--disaggregation-bootstrap-port``.
+    bootstrap_port: int | None = None
 
     def serves(self, model: str) -> bool:
         return model in self.models or model in self.loras

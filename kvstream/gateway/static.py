@@ -7,21 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvstream.events.registration import Registration
+from kvstream.events.errors import RegistrationError
+from kvstream.events.registration import Handoff, Registration, Role, check_role
+from kvstream.gateway.errors import OptionsError
 from kvstream.gateway.options import StaticWorker
 from kvstream.gateway.seams import WorkerDirectory, WorkerEndpoint
 from kvstream.replica.registry import WorkerRegistry
 
 
 class StaticDirectory:
-    """A fixed set of workers."""
+    """A fixed set of workers; OptionsError for one whose role breaks a rule of
+    registered workers (kvstream.events.registration.check_role)."""
 
     def __init__(self, workers: Sequence[StaticWorker]) -> None:
-        self._by_id = {
-            w.id: WorkerEndpoint(w.id, w.url.rstrip("/"), tuple(w.models), tuple(w.loras),
-                                 dp_ranks=w.dp_ranks, kv_capacity_blocks=w.kv_capacity_blocks, api_key=w.api_key)
-            for w in sorted(workers, key=lambda w: w.id)
-        }
+        self._by_id = {w.id: _static_endpoint(w) for w in sorted(workers, key=lambda w: w.id)}
         self._all = tuple(self._by_id.values())
 
     def endpoints(self) -> Sequence[WorkerEndpoint]:
@@ -31,6 +30,19 @@ class StaticDirectory:
         return self._by_id.get(worker_id)
 
 
+def _static_endpoint(w: StaticWorker) -> WorkerEndpoint:
+    role, handoff = Role(w.role), None if w.handoff is None else Handoff(w.handoff)
+    try:
+        check_role(role, handoff, w.bootstrap_port)
+    except RegistrationError as exc:
+        raise OptionsError(f"worker {w.id}: {exc}") from None
+    return WorkerEndpoint(
+        w.id, w.url.rstrip("/"), tuple(w.models), tuple(w.loras), dp_ranks=w.dp_ranks,
+        kv_capacity_blocks=w.kv_capacity_blocks, api_key=w.api_key, role=role, handoff=handoff,
+        bootstrap_port=w.bootstrap_port,
+    )
+
+
 def endpoint_of(reg: Registration) -> WorkerEndpoint | None:
     """The gateway's view of a registered worker; None when it gave no engine URL."""
     if reg.url is None:
@@ -38,7 +50,8 @@ def endpoint_of(reg: Registration) -> WorkerEndpoint | None:
     return WorkerEndpoint(
         worker_id=reg.worker_id, url=reg.url, models=reg.models, loras=reg.loras,
         block_size=reg.block_size, dp_ranks=len(reg.dp_ranks), engine=reg.engine,
-        kv_capacity_blocks=reg.kv_capacity_blocks,
+        kv_capacity_blocks=reg.kv_capacity_blocks, role=reg.role, handoff=reg.handoff,
+        bootstrap_port=reg.bootstrap_port,
     )
 
 

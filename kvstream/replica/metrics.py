@@ -117,6 +117,12 @@ class ReplicaMetrics:
             "alone (approximate: it publishes no events, or they stopped)",
             ["worker", "mode"], registry=r,
         )
+        self.worker_role = Gauge(
+            "kvstream_worker_role",
+            "1 for the role of each routable worker: both (whole requests), prefill or decode (one leg of a "
+            "disaggregated request)",
+            ["worker", "role"], registry=r,
+        )
         self.expected_blocks = Gauge(
             "kvstream_expected_blocks", "Blocks expected on workers: routed there, not confirmed by their events yet",
             registry=r,

@@ -7,7 +7,8 @@ return they win: the resync starts with ``cleared``, which drops the predictions
 :class:`WorkerModes` is stepped under the replica's lock (a thread of its own, about once
 a second): it gives each routable worker's ranks their device capacity as the bound of
 what they may be expected to hold, drops the predictions of workers that left, expires
-old predictions, logs each change of mode and keeps the ``kvstream_worker_mode`` gauge.
+old predictions, logs each change of mode and keeps the ``kvstream_worker_mode`` gauge, and
+the ``kvstream_worker_role`` gauge of each routable worker's role (issue 34).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Literal
 
 from prometheus_client import Gauge
 
+from kvstream.events.registration import Role
 from kvstream.logs import get_logger
 from kvstream.router import Router
 
@@ -34,6 +36,8 @@ class Routable:
     ranks: tuple[int, ...]
     #: Its engine's device capacity in blocks, when known.
     kv_capacity_blocks: int | None
+    #: A value of Role (a static worker's is the TOML's string).
+    role: str
 
 
 class WorkerModes:
@@ -43,11 +47,13 @@ class WorkerModes:
         routable: Callable[[], Mapping[int, Routable]],
         indexed: Callable[[], Collection[int]],
         gauge: Gauge,
+        role_gauge: Gauge,
         clock: Callable[[], float],
     ) -> None:
         """``routable``: the workers the gateway may route to now; ``indexed``: those
         whose events the fold follows (within their lease)."""
         self._router, self._routable, self._indexed, self._gauge, self._clock = router, routable, indexed, gauge, clock
+        self._role_gauge = role_gauge
         self._seen: Mapping[int, Routable] | None = None
         self.modes: dict[int, Mode] = {}
 
@@ -58,9 +64,13 @@ class WorkerModes:
             for wid, w in routable.items():
                 if self._seen is None or self._seen.get(wid) != w:
                     self._router.set_expected_capacity(wid, w.ranks, w.kv_capacity_blocks)
+                    for r in Role:
+                        self._role_gauge.labels(worker=str(wid), role=r.value).set(1 if r == w.role else 0)
             for wid in set(self._seen or ()) - set(routable):
                 if wid not in indexed:
                     self._router.forget_expected(wid)
+                for r in Role:
+                    self._role_gauge.remove(str(wid), r.value)
             self._seen = routable
         self._router.expire_expected(self._clock())
         modes: dict[int, Mode] = {wid: "events" for wid in indexed}

@@ -124,7 +124,8 @@ class Replica:
                                                partial(self.supervisor.progress, "workers"))
         #: How each routable worker is routed (by its events or approximately), stepped
         #: by a thread of its own.
-        self.modes = WorkerModes(self.router, self._routable, self.fold.workers.keys, self.metrics.worker_mode, clock)
+        self.modes = WorkerModes(self.router, self._routable, self.fold.workers.keys, self.metrics.worker_mode,
+                                 self.metrics.worker_role, clock)
         self._routable_of: tuple[object, dict[int, Routable]] = (None, {})
         #: worker id → its engine issues, from the newest STATUS_HEADER seen.
         self._worker_status: dict[int, dict] = {}
@@ -227,9 +228,11 @@ class Replica:
         static ones (the same object while the registry is unchanged)."""
         regs = self.registry.registrations()
         if regs is not self._routable_of[0]:
-            out = {wid: Routable(r.dp_ranks, r.kv_capacity_blocks) for wid, r in regs.items() if r.url is not None}
+            out = {
+                wid: Routable(r.dp_ranks, r.kv_capacity_blocks, r.role) for wid, r in regs.items() if r.url is not None
+            }
             for w in self.settings.gateway.workers:
-                out[w.id] = Routable(tuple(range(w.dp_ranks)), w.kv_capacity_blocks)
+                out[w.id] = Routable(tuple(range(w.dp_ranks)), w.kv_capacity_blocks, w.role)
             self._routable_of = (regs, out)
         return self._routable_of[1]
 
@@ -313,6 +316,8 @@ class Replica:
                 w.setdefault("expected_blocks", {})[str(key.dp_rank)] = n
             for wid, mode in self.modes.modes.items():
                 out.setdefault(str(wid), {"ranks": {}})["mode"] = mode
+            for wid, w in self._routable().items():
+                out.setdefault(str(wid), {"ranks": {}})["role"] = str(w.role)
             for wid, wlog in self.fold.workers.items():
                 w = out.setdefault(str(wid), {"ranks": {}})
                 w.update(

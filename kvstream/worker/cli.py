@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from kvstream.events.errors import RegistrationError
-from kvstream.events.registration import Registration, normalize_url
+from kvstream.events.registration import Handoff, Registration, Role, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
 from kvstream.logs import configure_logging, get_logger, logging_flags
 from kvstream.settings import Settings, SettingsError, load_settings
@@ -98,6 +98,20 @@ def _setting(key: str, what: str = "") -> str:
     help="A model name the engine serves (its served model name); repeat for each. Needed with --engine-url.",
 )
 @click.option("--lora", "loras", multiple=True, help="A LoRA adapter name the engine serves; repeat for each.")
+@click.option(
+    "--role", type=click.Choice([r.value for r in Role]),
+    help=_setting("role", "What the engine does with a request: all of it, or one leg of a disaggregated one."),
+)
+@click.option(
+    "--handoff", type=click.Choice([h.value for h in Handoff]),
+    help=_setting("handoff", "With --role prefill or decode: how the KV goes to the decode engine (nixl: vLLM's "
+                  "NixlConnector; bootstrap: SGLang)."),
+)
+@click.option(
+    "--bootstrap-port", type=int,
+    help=_setting("bootstrap_port", "With --handoff bootstrap: the prefill engine's --disaggregation-bootstrap-port "
+                  "(needed for --role prefill)."),
+)
 @click.option("--worker-id", required=True, type=click.IntRange(0, (1 << 64) - 1), help="This worker's id (u64).")
 @click.option(
     "--take-over", is_flag=True,
@@ -138,6 +152,9 @@ def worker(
     engine_url: str | None,
     models: tuple[str, ...],
     loras: tuple[str, ...],
+    role: str | None,
+    handoff: str | None,
+    bootstrap_port: int | None,
     worker_id: int,
     take_over: bool,
     bootstrap: str | None,
@@ -169,14 +186,6 @@ def worker(
         raise click.UsageError(f"--engine {engine} needs --endpoint (the engine's KV-event PUB address)")
     if engine_url is not None and not models:
         raise click.UsageError("--engine-url needs at least one --model (the names the gateway routes by)")
-    try:
-        if engine_url is not None:
-            normalize_url(engine_url)
-        # Checked here so that a bad name fails before anything starts.
-        Registration(worker_id, engine_url, models, loras, 1, (0,), engine, None, 0, 0)
-    except RegistrationError as exc:
-        raise click.UsageError(str(exc)) from None
-    serves = Serves(engine_url, models, loras)
     if replay_endpoints and len(replay_endpoints) != len(endpoints):
         raise click.UsageError(
             f"{len(replay_endpoints)} --replay-endpoint for {len(endpoints)} --endpoint: give one per endpoint, or none"
@@ -191,6 +200,9 @@ def worker(
         "state_dir": state_dir,
         "checkpoint_s": checkpoint_s,
         "offload_blocks_per_chunk": offload_blocks_per_chunk,
+        "role": role,
+        "handoff": handoff,
+        "bootstrap_port": bootstrap_port,
     }
     try:
         # Flags over KVSTREAM_WORKER__* over the TOML file's [worker] section.
@@ -201,6 +213,15 @@ def worker(
         raise click.ClickException(str(exc)) from None
     configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
+    serves = Serves(engine_url, models, loras, Role(ws.role), None if ws.handoff is None else Handoff(ws.handoff),
+                    ws.bootstrap_port)
+    try:
+        if engine_url is not None:
+            normalize_url(engine_url)
+        # Checked here so that a bad name or role fails before anything starts.
+        serves.registration(worker_id, 1, (0,), engine, None, 0, 0)
+    except RegistrationError as exc:
+        raise click.UsageError(str(exc)) from None
     try:
         options = PublisherOptions(
             worker_id=worker_id,
@@ -319,6 +340,18 @@ class Serves:
     engine_url: str | None
     models: tuple[str, ...]
     loras: tuple[str, ...]
+    role: Role
+    handoff: Handoff | None
+    bootstrap_port: int | None
+
+    def registration(
+        self, worker_id: int, block_size: int, dp_ranks: tuple[int, ...], engine: str, kv_capacity_blocks: int | None,
+        epoch: int, registered_at_ms: int,
+    ) -> Registration:
+        return Registration(
+            worker_id, self.engine_url, self.models, self.loras, block_size, dp_ranks, engine, kv_capacity_blocks,
+            epoch, registered_at_ms, role=self.role, handoff=self.handoff, bootstrap_port=self.bootstrap_port,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,9 +373,8 @@ def _announce(
 ) -> Registered:
     """Register the worker under its publisher's first epoch (its incarnation), and
     watch for a successor: ``stop`` is set when one registers."""
-    reg = Registration(
-        publisher.worker_id, serves.engine_url, serves.models, serves.loras, block_size, dp_ranks, engine,
-        kv_capacity_blocks, publisher.epoch, int(time.time() * 1000),
+    reg = serves.registration(
+        publisher.worker_id, block_size, dp_ranks, engine, kv_capacity_blocks, publisher.epoch, int(time.time() * 1000)
     )
     watch = TakeOverWatch(settings, reg.worker_id, lambda _successor: stop.set())
     announcer = WorkerAnnouncer(settings, reg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -49,6 +49,17 @@ class WorkerOptions:
     #: Engine bridge: vLLM's offloading ``blocks_per_chunk`` (its placeholder events
     #: name a chunk by its last block; docs/ENGINES.md).
     offload_blocks_per_chunk: Annotated[int, Field(ge=1)] = 1
+    #: What the engine does with a request (issue 34): ``both`` (all of it), or one leg of a
+    #: disaggregated one, ``prefill`` or ``decode`` (vLLM's ``kv_role``, SGLang's
+    #: ``--disaggregation-mode``). The values of kvstream.events.registration.Role (this
+    #: layer cannot import it); the rules of the three settings are
+    #: kvstream.events.registration.check_role's.
+    role: Literal["both", "prefill", "decode"] = "both"
+    #: Prefill or decode only: how the KV goes from the prefill engine to the decode engine,
+    #: ``nixl`` (vLLM's NixlConnector) or ``bootstrap`` (SGLang; Handoff's values).
+    handoff: Literal["nixl", "bootstrap"] | None = None
+    #: A ``bootstrap`` prefill engine's ``--disaggregation-bootstrap-port``.
+    bootstrap_port: int | None = None
 
 
 #: The defaults, for the option dataclasses of the parts that take them.

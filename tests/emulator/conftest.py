@@ -52,20 +52,22 @@ class Emulator:
         with urllib.request.urlopen(self.url + path, timeout=30) as resp:
             return resp.read().decode()
 
-    def metric(self, name: str) -> float:
-        """The value of a sample of /metrics (summed over label sets)."""
+    def metric(self, name: str, engine: int | None = None) -> float:
+        """The value of a sample of /metrics, summed over label sets (those of one DP rank
+        with ``engine``)."""
         total, seen = 0.0, False
         for line in self.get("/metrics").splitlines():
-            if line.startswith((name + "{", name + " ")):
+            if line.startswith((name + "{", name + " ")) and (engine is None or f'engine="{engine}"' in line):
                 total += float(line.rsplit(" ", 1)[1])
                 seen = True
         assert seen, f"{name} not in /metrics"
         return total
 
 
-def start_emulator(*args: str) -> Emulator:
-    base = free_ports(5)  # HTTP, then PUB and ROUTER with room for a DP rank's offset of 1
-    events, replay = f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 3}"
+def start_emulator(*args: str, ranks: int = 2) -> Emulator:
+    """``ranks``: the DP ranks' room on the KV-event ports (rank r adds r to each)."""
+    base = free_ports(1 + 2 * ranks)  # HTTP, then the PUB and the ROUTER ports of each rank
+    events, replay = f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 1 + ranks}"
     cmd = [KVSTREAM, "emulate", "--port", str(base), "--kv-events-endpoint", events,
            "--kv-events-replay-endpoint", replay, *args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -98,8 +100,8 @@ def emulator_factory() -> Iterator[Callable[..., Emulator]]:
     """Start emulators with extra flags; every one is stopped (and must exit cleanly)."""
     started: list[Emulator] = []
 
-    def make(*args: str) -> Emulator:
-        emu = start_emulator(*args)
+    def make(*args: str, ranks: int = 2) -> Emulator:
+        emu = start_emulator(*args, ranks=ranks)
         started.append(emu)
         return emu
 
@@ -137,3 +139,17 @@ class EventTap:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+@pytest.fixture
+def tap_factory(vllm: EngineKit) -> Iterator[Callable[[str], EventTap]]:
+    """Taps on emulators' KV events, closed at the end."""
+    taps: list[EventTap] = []
+
+    def make(endpoint: str) -> EventTap:
+        taps.append(EventTap(vllm, endpoint))
+        return taps[-1]
+
+    yield make
+    for t in taps:
+        t.close()

@@ -101,6 +101,7 @@ def test_sse_ends_with_done(emu: Emulator) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "kv_transfer_params": "yes"}, "kv_transfer_params"),
     ("/tokenize", {"prompt": 3}, "prompt"),
     ("/v1/completions/render", {"prompt": {"a": 1}}, "prompt"),
 ])

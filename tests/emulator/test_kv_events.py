@@ -5,30 +5,16 @@ replay socket, evictions when G1 is full, the DP rank."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 from engines.engines import EngineKit
 
 from .conftest import Emulator, EventTap
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-@pytest.fixture
-def tap_factory(vllm: EngineKit) -> Iterator[Callable[[str], EventTap]]:
-    taps: list[EventTap] = []
-
-    def make(endpoint: str) -> EventTap:
-        taps.append(EventTap(vllm, endpoint))
-        return taps[-1]
-
-    yield make
-    for t in taps:
-        t.close()
 
 
 def complete(emu: Emulator, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:

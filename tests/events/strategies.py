@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, Stored, Tier
-from kvstream.events.registration import Registration
+from kvstream.events.registration import Handoff, Registration, Role
 
 u64 = st.one_of(st.sampled_from([0, 1, (1 << 63) - 1, 1 << 63, U64_MAX]), st.integers(0, U64_MAX))
 u32 = st.one_of(st.sampled_from([0, (1 << 32) - 1]), st.integers(0, (1 << 32) - 1))
@@ -39,8 +39,16 @@ def event_batches(draw: st.DrawFn, max_events: int = 8) -> EventBatch:
 
 
 names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1, max_size=12).filter(lambda s: s == s.strip())
+ports = st.integers(1, 65535)
+#: (role, handoff, bootstrap_port) as kvstream.events.registration.check_role allows them.
+roles = st.one_of(
+    st.just((Role.BOTH, None, None)),
+    st.tuples(st.sampled_from([Role.PREFILL, Role.DECODE]), st.just(Handoff.NIXL), st.none()),
+    st.tuples(st.just(Role.PREFILL), st.just(Handoff.BOOTSTRAP), ports),
+    st.tuples(st.just(Role.DECODE), st.just(Handoff.BOOTSTRAP), st.one_of(st.none(), ports)),
+)
 #: Registrations of kvstream.workers (kvstream.events.registration), each field over its range.
-registrations = st.builds(
+registrations = roles.flatmap(lambda role: st.builds(
     Registration,
     worker_id=st.integers(0, U64_MAX),
     url=st.one_of(st.none(), st.sampled_from(["http://127.0.0.1:8000", "https://w.example:443/base", "http://[::1]:9"])),
@@ -52,7 +60,10 @@ registrations = st.builds(
     kv_capacity_blocks=st.one_of(st.none(), st.integers(0, 1 << 62)),
     epoch=st.integers(0, U64_MAX),
     registered_at_ms=st.integers(0, 1 << 50),
-)
+    role=st.just(role[0]),
+    handoff=st.just(role[1]),
+    bootstrap_port=st.just(role[2]),
+))
 
 
 def registration(wid: int, url: str = "http://127.0.0.1:1", epoch: int = 1) -> Registration:

@@ -77,13 +77,16 @@ class Served:
 
 @contextmanager
 def serving(replica: Replica, backends: Sequence[Backend | str], tokenizers: Mapping[str, Any] | None = None,
-            api_keys: Mapping[int, str] | None = None, **options: Any) -> Iterator[Served]:
+            api_keys: Mapping[int, str] | None = None, roles: Sequence[Mapping[str, Any]] | None = None,
+            **options: Any) -> Iterator[Served]:
     """A gateway over ``backends`` (a Backend, or a URL), each a new worker id serving
-    ``m`` and the LoRA ``m-lora``; ``options`` are GatewayOptions (health probes off
-    unless asked for)."""
+    ``m`` and the LoRA ``m-lora`` (with the StaticWorker fields of ``roles``, one mapping
+    per backend, when given); ``options`` are GatewayOptions (health probes off unless
+    asked for)."""
     ids = [next(_worker_ids) for _ in backends]
     workers = tuple(
-        StaticWorker(wid, b.url if isinstance(b, Backend) else b, (MODEL,), (LORA,), (api_keys or {}).get(i))
+        StaticWorker(wid, b.url if isinstance(b, Backend) else b, (MODEL,), (LORA,), (api_keys or {}).get(i),
+                     **(roles[i] if roles else {}))
         for i, (wid, b) in enumerate(zip(ids, backends))
     )
     options.setdefault("health_interval_s", 0.0)

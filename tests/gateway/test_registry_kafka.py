@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 
 from kvstream.events.codec import AvroCodec
-from kvstream.events.registration import Registration, RegistrationCodec
+from kvstream.events.registration import Handoff, Registration, RegistrationCodec, Role
 from kvstream.events.wire import worker_key
 from kvstream.gateway.static import RegisteredDirectory
 from kvstream.kafka.config import producer_config
@@ -70,7 +70,7 @@ def test_worker_registers_and_its_tombstone_removes_it_everywhere(kafka_topics: 
         [str(KVSTREAM), "worker", "--engine", "zmq", "--endpoint", "tcp://127.0.0.1:1", "--endpoint",
          "tcp://127.0.0.1:2", "--dp-rank", "4", "--block-size", "32", "--worker-id", str(2**64 - 3),
          "--engine-url", "http://127.0.0.1:8123/", "--model", "llama", "--model", "llama-alias", "--lora", "sql",
-         "--bootstrap", kafka_topics.bootstrap],
+         "--role", "prefill", "--handoff", "bootstrap", "--bootstrap-port", "8998", "--bootstrap", kafka_topics.bootstrap],
         env=_env(kafka_topics), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
     )
     wid = 2**64 - 3
@@ -81,14 +81,18 @@ def test_worker_registers_and_its_tombstone_removes_it_everywhere(kafka_topics: 
             assert ep is not None
             assert (ep.url, ep.models, ep.loras, ep.block_size, ep.dp_ranks, ep.engine) == (
                 "http://127.0.0.1:8123", ("llama", "llama-alias"), ("sql",), 32, 2, "zmq")
+            assert (ep.role, ep.handoff, ep.bootstrap_port) == (Role.PREFILL, Handoff.BOOTSTRAP, 8998)
             reg = registration(r, wid)
             assert reg["dp_ranks"] == [4, 5] and reg["routable"] and reg["epoch"] > 0
         assert registration(a, wid) == registration(b, wid)
         assert replay_workers(kafka_topics)["workers"][str(wid)] == registration(a, wid)
         # What an operator sees on /v1/workers.
         client = TestClient(create_app(b, token="t"), headers={"Authorization": "Bearer t"})
-        shown = client.get("/v1/workers").json()["workers"][str(wid)]["registration"]
-        assert (shown["url"], shown["models"], shown["loras"]) == ("http://127.0.0.1:8123", ["llama", "llama-alias"], ["sql"])
+        shown = client.get("/v1/workers").json()["workers"][str(wid)]
+        reg = shown["registration"]
+        assert (reg["url"], reg["models"], reg["loras"]) == ("http://127.0.0.1:8123", ["llama", "llama-alias"], ["sql"])
+        assert (shown["role"], reg["role"], reg["handoff"], reg["bootstrap_port"]) == ("prefill", "prefill", "bootstrap", 8998)
+        assert f'kvstream_worker_role{{role="prefill",worker="{wid}"}} 1.0' in client.get("/metrics").text
         # A replica that starts now reads the registry from the topic's start.
         c = start_replica(kafka_topics)
         try:

@@ -74,6 +74,10 @@ def test_gateway_settings_come_from_toml_env_and_are_checked(tmp_path: Path, mon
         '[[gateway.workers]]\nid = 1\nurl = "http://h:1"\nmodels = []\n': "at least one model",
         '[[gateway.workers]]\nid = 1\nurl = "http://h:1"\nmodels = ["m"]\n[[gateway.workers]]\nid = 1\nurl = "http://h:2"\nmodels = ["m"]\n':
             "names a worker id twice",
+        '[[gateway.workers]]\nid = 1\nurl = "http://h:1"\nmodels = ["m"]\nrole = "prefil"\n':
+            "worker 1: role must be one of both, prefill, decode, got 'prefil'",
+        '[[gateway.workers]]\nid = 1\nurl = "http://h:1"\nmodels = ["m"]\nrole = "decode"\nhandoff = "rdma"\n':
+            "worker 1: handoff must be one of nixl, bootstrap, got 'rdma'",
     }
     monkeypatch.delenv("KVSTREAM_GATEWAY__BREAKER_FAILURES")
     for text, why in bad.items():

@@ -58,6 +58,39 @@ def test_engine_url_and_models_are_checked(flags: list[str], message: str) -> No
     assert message in result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (["--role", "prefill"], {}, "role prefill needs a handoff (nixl or bootstrap)"),
+        (["--handoff", "nixl"], {}, "role both takes no handoff"),
+        (["--role", "prefill", "--handoff", "bootstrap"], {}, "needs its bootstrap_port"),
+        (["--role", "decode", "--handoff", "nixl", "--bootstrap-port", "1"], {}, "only with handoff bootstrap"),
+        # The settings' environment variables, under the flags.
+        (["--role", "decode"], {"KVSTREAM_WORKER__HANDOFF": "bootstrap", "KVSTREAM_WORKER__BOOTSTRAP_PORT": "70000"},
+         "bootstrap_port 70000 is not in 1..65535"),
+        (["--role", "both"], {"KVSTREAM_WORKER__ROLE": "prefill", "KVSTREAM_WORKER__HANDOFF": "nixl"},
+         "role both takes no handoff"),
+    ],
+)
+def test_roles_are_checked_before_starting(flags: list[str], env: dict[str, str], message: str) -> None:
+    result = CliRunner().invoke(
+        cli, ["worker", "--engine", "zmq", "--endpoint", "tcp://x:1", "--worker-id", "1", *flags], env=env
+    )
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_roles_come_from_the_toml_too(tmp_path: Path) -> None:
+    config = tmp_path / "k.toml"
+    args = ["worker", "--engine", "zmq", "--endpoint", "tcp://x:1", "--worker-id", "1", "--config", str(config)]
+    config.write_text('[worker]\nrole = "decode"\n')
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "role decode needs a handoff" in result.output
+    config.write_text('[worker]\nrole = "prefil"\n')
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and "worker.role" in result.output
+
+
 def test_worker_id_must_be_u64():
     result = CliRunner().invoke(cli, ["worker", "--engine", "zmq", "--endpoint", "tcp://x:1", "--worker-id", "-1"])
     assert result.exit_code == 2

@@ -373,7 +373,7 @@ def workers(
     config_file: str | None, bootstrap: str | None, topic_prefix: str | None, progress: bool | None, as_json: bool,
 ) -> None:
     """The worker registry as every replica folds it from kvstream.workers: each
-    worker's engine URL, models, LoRA adapters, block size, ranks; and the records
+    worker's engine URL, models, LoRA adapters, block size, ranks, role; and the records
     skipped, by reason."""
     from kvstream.replica.registry import WorkerRegistry
     from kvstream.tools.replay.reader import LogReader
@@ -391,5 +391,8 @@ def workers(
                + (", ".join(f"{k}={v}" for k, v in doc["skipped"].items()) or "none"))
     for wid, reg in doc["workers"].items():
         loras = f" loras={','.join(reg['loras'])}" if reg["loras"] else ""
+        handoff = f" handoff={reg['handoff']}" if reg["handoff"] else ""
+        port = f" bootstrap_port={reg['bootstrap_port']}" if reg["bootstrap_port"] is not None else ""
         click.echo(f"  {wid:>20}  {reg['url'] or '(not routable: no engine URL)'}  models={','.join(reg['models'])}"
-                   f"{loras}  {reg['engine']}  block_size={reg['block_size']}  ranks={reg['dp_ranks']}")
+                   f"{loras}  {reg['engine']}  block_size={reg['block_size']}  ranks={reg['dp_ranks']}"
+                   f"  role={reg['role']}{handoff}{port}")
