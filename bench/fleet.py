@@ -32,10 +32,33 @@ Scenarios beside the plain runs, at the heaviest load:
   half; the requests it held fail (each counted, with its error), the replicas drop it
   once its lease runs out, and no client hangs.
 
+Disaggregated serving (``--pd P:D``, issue 34): every router runs in front of P prefill
+engines (``kvstream emulate --role prefill``) and D decode engines (``--role decode``),
+each request in two legs, the prefill engine handing the prompt's KV to the decode
+engine: kvstream's gateways by the hand-off of ``--pd-handoff`` (the engines' bridges
+register role, hand-off and bootstrap port), ``vllm-router`` by vLLM's NixlConnector
+(``nixl``, ``--vllm-pd-disaggregation``), ``sglang-router`` by SGLang's bootstrap server
+(``bootstrap``, ``--pd-disaggregation``; bench.peers). Beside each router's row, its
+baseline ``<router>-whole``: the same router in front of P+D whole engines, in the same
+run and the same turns. ``round_robin`` has no PD mode (nothing pairs the legs): it is
+skipped, said under ``skipped``. ``--restart`` and ``--kill-engine`` run on the
+disaggregated fleet (the engine killed is a prefill engine).
+
 ``--repeats K`` plays every run K times, the routers in turn (A B C A B C ...), and
 reports each figure's median beside every run's. Each row has ``shed_rate`` (failed ÷
 sent) beside the latencies, and ``halves``: the first and second half of the requests'
-own figures (per-request records).
+own figures (per-request records). Two cached shares: ``cached_token_share``, from the
+answers' usage (``prompt_tokens_details.cached_tokens``), is what the router relays:
+whole engines' own count; under PD the decode engine's (kvstream, sglang-router), which
+counts the prompt tokens it received from the prefill engine as cached, so it is near 1
+whatever the routing, or the prefill leg's (vllm-router puts it in the answer);
+``prefill_cached_share``, from the counters of the engines that prefill (whole engines,
+or the prefill engines under PD) read at the end of the run, is the share of the prompt
+tokens they found cached instead of computing: ``vllm:prefix_cache_hits`` (G1) plus
+``vllm:external_prefix_cache_hits`` (the host tier's, as vLLM counts a connector's) over
+``vllm:prefix_cache_queries``. Likewise ``engine_ttft_mean_ms`` is the prefilling
+engines' own mean TTFT and ``decode_engine_ttft_mean_ms`` the decode engines' (from the
+decode leg's arrival: the KV transfer and the first token; null without PD).
 """
 
 from __future__ import annotations
@@ -56,9 +79,11 @@ from typing import Any
 
 import click
 import httpx
+from click.core import ParameterSource
 
 from bench.common import emit, json_option
 from bench.kafka_env import bootstrap_option, broker
+from bench.peers import HANDOFFS as PEER_HANDOFFS
 from bench.peers import POLICIES as PEER_POLICIES
 from bench.peers import PeerOptions, launch_peer, peer_versions
 from bench.replayers import REPLAYERS, AiperfReplayer, Replayer, SdkReplayer
@@ -79,7 +104,10 @@ _APPROX = "-approx"
 #: The figures of a run whose medians are reported (the rest are the last run's).
 _MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "requests_per_s",
                 "cached_token_share", "shed_rate", "failed", "engine_ttft_mean_ms", "router_cpu_s",
-                "router_predicted_share", "router_forgone_share", "gateway_ttft_mean_ms")
+                "router_predicted_share", "router_forgone_share", "gateway_ttft_mean_ms", "prefill_cached_share",
+                "decode_engine_ttft_mean_ms")
+#: The hand-offs kvstream's disaggregated engines can use (``--pd-handoff``).
+PD_HANDOFFS = ("nixl", "bootstrap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +140,21 @@ class RouterSpec:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Disagg:
+    """``--pd P:D``: P prefill engines and D decode engines."""
+
+    prefill: int
+    decode: int
+
+    @classmethod
+    def parse(cls, text: str) -> Disagg:
+        p, _, d = text.partition(":")
+        if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1 and int(p) + int(d) <= 16):
+            raise click.ClickException(f"--pd must be P:D, at least one of each and 16 engines at most, got {text!r}")
+        return cls(int(p), int(d))
+
+
 @dataclass
 class Front:
     """The router processes a run sends to: ``targets`` in turn; :meth:`restart_one`
@@ -140,15 +183,20 @@ def _kill(proc: ManagedProcess) -> None:
 def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path, scale: fleet.Scale) -> Iterator[Front]:
     """The router's processes in front of ``engines``, stopped when the block ends."""
     spec = RouterSpec.parse(router)
-    urls = [e.url for e in engines]
     with ExitStack() as stack:
         if spec.kind == "round_robin":
-            yield Front(urls, [])
+            yield Front([e.url for e in engines], [])
             return
         if spec.kind != "kvstream":
-            opts = PeerOptions(spec.kind, spec.policy, tuple(urls),
-                               {e.url: e.events for e in engines} if spec.policy == "kv_aware" else None,
-                               fleet.MODEL if spec.policy == "kv_aware" else None)
+            # Under PD the peer routes the prefill legs by its policy (and kv_aware by the
+            # prefill engines' events); on a whole fleet every engine is "prefill".
+            prefill = [e for e in engines if e.role != "decode"]
+            kv_aware = spec.policy == "kv_aware"
+            opts = PeerOptions(spec.kind, spec.policy, tuple(e.url for e in prefill),
+                               {e.url: e.events for e in prefill} if kv_aware else None,
+                               fleet.MODEL if kv_aware else None,
+                               decode=tuple(e.url for e in engines if e.role == "decode"),
+                               bootstrap_ports={e.url: e.bootstrap_port for e in prefill if e.bootstrap_port})
             procs = [launch_peer(opts) for _ in range(spec.replicas)]
             for p in procs:
                 stack.callback(lambda p=p: p.stop())
@@ -166,10 +214,10 @@ def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path, 
             return
         prefix = f"fleet.{uuid.uuid4().hex[:8]}."
         ensure_topics(Settings(bootstrap=bootstrap, topics=TopicSettings(prefix=prefix)))
-        static: tuple[tuple[int, str, int], ...] = ()
+        static: tuple[tuple[fleet.Engine, int], ...] = ()
         if spec.approx:
             # What an engine keeps cached: its G1 and the host tier it offloads to.
-            static = tuple((e.index, e.url, scale.engine_blocks() + scale.host_blocks()) for e in engines)
+            static = tuple((e, scale.engine_blocks() + scale.host_blocks()) for e in engines)
         else:
             bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
             stack.callback(fleet.stop_all, bridges)
@@ -221,7 +269,14 @@ def _trace_requests(trace: str, path: Path | None, count: int, speed: float) -> 
               help="Comma-separated router names (the module's help lists the forms: -4-replicas, -approx).")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The conversation trace's file (default: the Mooncake trace beside the repository).")
-@click.option("--quick", is_flag=True, help="2 engines, 120 requests, the first load only, no engine killed (for tests).")
+@click.option("--pd", "pd_text", metavar="P:D",
+              help="Disaggregated: P prefill and D decode engines (instead of --engines), each router beside its "
+                   "<router>-whole baseline on P+D whole engines.")
+@click.option("--pd-handoff", type=click.Choice(PD_HANDOFFS), default="nixl", show_default=True,
+              help="With --pd: how kvstream's prefill engines hand the KV to its decode engines (the peers use "
+                   "their own: vllm-router nixl, sglang-router bootstrap).")
+@click.option("--quick", is_flag=True,
+              help="2 engines (or --pd's), 120 requests, the first load only, no engine killed (for tests).")
 @click.option("--replayer", "replayer_name", type=click.Choice(sorted(REPLAYERS)), default="aiperf", show_default=True,
               help="aiperf: the third-party replayer (installed on first use into a cached venv); "
                    "sdk: kvstream's own openai-SDK replayer.")
@@ -230,8 +285,9 @@ def _trace_requests(trace: str, path: Path | None, count: int, speed: float) -> 
 @bootstrap_option
 @json_option
 def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, traces: str, repeats: int,
-                restart: bool, kill_engine: bool, routers: str, trace: Path | None, quick: bool, replayer_name: str,
-                plot: Path | None, bootstrap: str | None, as_json: bool) -> None:
+                restart: bool, kill_engine: bool, routers: str, trace: Path | None, pd_text: str | None,
+                pd_handoff: str, quick: bool, replayer_name: str, plot: Path | None, bootstrap: str | None,
+                as_json: bool) -> None:
     """Routers head to head in front of the same emulated fleet and traces."""
     if plot is not None:
         pyplot()  # before the runs: a missing extra is said at once
@@ -248,8 +304,13 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
         raise click.ClickException(f"--loads must be numbers separated by commas, got {loads!r}") from None
     if not factors or min(factors) <= 0:
         raise click.ClickException(f"--loads must be positive numbers, got {loads!r}")
+    pd = Disagg.parse(pd_text) if pd_text is not None else None
+    if pd is not None:
+        if click.get_current_context().get_parameter_source("n_engines") is ParameterSource.COMMANDLINE:
+            raise click.ClickException("--pd P:D sets the fleet's size: leave --engines out")
+        n_engines = pd.prefill + pd.decode
     if quick:
-        n_engines, requests, factors, kill_engine = min(n_engines, 2), 120, factors[:1], False
+        n_engines, requests, factors, kill_engine = n_engines if pd else min(n_engines, 2), 120, factors[:1], False
     scale = fleet.Scale(tokenizer=fleet.local_tokenizer())
     replayer: Replayer = AiperfReplayer() if replayer_name == "aiperf" else SdkReplayer(text=True)
     out: dict[str, Any] = {"engines": n_engines, "requests": requests, "engine_speed": engine_speed, "loads": factors,
@@ -257,7 +318,17 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
                            "tokens_per_id": scale.tokens_per_id,
                            "replayer": {"name": replayer_name, "version": replayer.version}, "traces": {}}
     heavy = max(factors)
-    plays = [(r, load, "") for load in factors for r in chosen]
+    if pd is not None:
+        skipped = [r for r in chosen if RouterSpec.parse(r).kind == "round_robin"]
+        chosen = [r for r in chosen if r not in skipped]
+        out["pd"] = {"prefill": pd.prefill, "decode": pd.decode,
+                     "handoff": {"kvstream": pd_handoff, **PEER_HANDOFFS},
+                     "baseline": f"<router>-whole: the same router in front of {n_engines} whole engines"}
+        if skipped:
+            out["skipped"] = {r: "no PD mode: nothing pairs a prefill leg with a decode leg" for r in skipped}
+    # Under --pd each router's baseline, on whole engines, plays in its turn beside it.
+    fleets = ("", "whole") if pd is not None else ("",)
+    plays = [(r, load, f) for load in factors for r in chosen for f in fleets]
     if restart:  # round-robin has no process to kill
         plays += [(r, heavy, "restarted") for r in chosen if RouterSpec.parse(r).kind != "round_robin"]
     if kill_engine:
@@ -273,7 +344,9 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
                     work = Path(tmp) / str(n)
                     work.mkdir()
                     n += 1
-                    row = _run(router, reqs, scale, engine_speed, n_engines, servers, work, scenario, replayer)
+                    handoff = _handoff(router, pd_handoff) if pd is not None and scenario != "whole" else None
+                    row = _run(router, reqs, scale, engine_speed, n_engines, servers, work, scenario, replayer,
+                               pd.prefill if handoff else 0, handoff)
                     name = router + (f"-{scenario}" if scenario else "")
                     runs.setdefault((shape, name, f"{load:g}x"), []).append(row)
                     click.echo(f"[{rep + 1}/{repeats}] {shape} {name} load {load:g}x: "
@@ -283,6 +356,13 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
     if plot is not None:
         draw(out, plot)
     emit(out, as_json)
+
+
+def _handoff(router: str, pd_handoff: str) -> str:
+    """The hand-off of ``router``'s disaggregated engines: each peer's own, kvstream's
+    chosen one."""
+    kind = RouterSpec.parse(router).kind
+    return pd_handoff if kind == "kvstream" else PEER_HANDOFFS[kind]
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -351,10 +431,11 @@ def draw(out: dict[str, Any], path: Path) -> None:
 
 
 def _run(router: str, reqs: list[Request], scale: fleet.Scale, speed: float, n_engines: int, bootstrap: str,
-         work: Path, scenario: str, replayer: Replayer) -> dict[str, Any]:
-    """One router at one load on fresh engines: the replay's summary, its halves, the
-    routers' CPU."""
-    engines = fleet.start_engines(n_engines, scale, speed)
+         work: Path, scenario: str, replayer: Replayer, prefill: int = 0, handoff: str | None = None) -> dict[str, Any]:
+    """One router at one load on fresh engines (with ``handoff``: ``prefill`` prefill
+    engines, the rest decode engines): the replay's summary, its halves, the routers' CPU,
+    the engines' own figures."""
+    engines = fleet.start_engines(n_engines, scale, speed, prefill=prefill, handoff=handoff)
     try:
         with front(router, engines, bootstrap, work, scale) as fr, ExitStack() as stack:
             if scenario == "engine-killed":
@@ -365,12 +446,12 @@ def _run(router: str, reqs: list[Request], scale: fleet.Scale, speed: float, n_e
             s, extra, outcomes = replayer.replay(reqs, scale, fr.targets, work / "replay")
             cpu = sum(p.cpu_seconds() for p in fr.procs) - cpu0
             gateway = _gateway_figures(fr.targets) if router.startswith("kvstream") else {}
-        engine_ttft = _engine_ttft_ms(engines[1:] if scenario == "engine-killed" else engines)
+        engine = _engine_figures(engines[1:] if scenario == "engine-killed" else engines)
     finally:
         fleet.stop_all([e.proc for e in engines])
-    row = s.as_dict() | extra | gateway | {"shed_rate": round(s.failed / s.requests, 4) if s.requests else None,
-                                 "halves": _halves(outcomes), "engine_ttft_mean_ms": engine_ttft,
-                                 "router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg()}
+    row = s.as_dict() | extra | gateway | engine | {
+        "shed_rate": round(s.failed / s.requests, 4) if s.requests else None, "halves": _halves(outcomes),
+        "router_cpu_s": round(cpu, 2), "loadavg": fleet.loadavg()}
     if fr.restarted:
         row["restart"] = fr.restarted
     return row
@@ -403,18 +484,31 @@ def _gateway_figures(replicas: Sequence[str]) -> dict[str, Any]:
             "peer_op_lag_mean_ms": round(1000 * sums[_GATEWAY[5]] / ops, 2) if ops else None}
 
 
-def _engine_ttft_ms(engines: list[fleet.Engine]) -> float | None:
-    """The engines' own mean TTFT (``vllm:time_to_first_token_seconds``, from arrival):
-    what the replayer's TTFT is beside the router's hop and the client's own time."""
-    total = count = 0.0
+#: The engines' series the bench reads at the end of a run, by a short name.
+_ENGINE = {"vllm:time_to_first_token_seconds_sum": "ttft_s", "vllm:time_to_first_token_seconds_count": "firsts",
+           "vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+           "vllm:external_prefix_cache_hits_total": "host_hits"}
+
+
+def _engine_figures(engines: list[fleet.Engine]) -> dict[str, Any]:
+    """The engines' own figures (the module's notes): the mean TTFT (from arrival) of the
+    engines that prefill and of the decode engines, what the replayer's TTFT is beside the
+    router's hops and the client's own time; and the prefilling engines' cached share."""
+    sums = {leg: dict.fromkeys(_ENGINE.values(), 0.0) for leg in ("prefill", "decode")}
     with httpx.Client(timeout=10.0) as client:
         for e in engines:
+            leg = sums["decode" if e.role == "decode" else "prefill"]
             for line in client.get(e.url + "/metrics").text.splitlines():
-                if line.startswith("vllm:time_to_first_token_seconds_sum"):
-                    total += float(line.split()[-1])
-                elif line.startswith("vllm:time_to_first_token_seconds_count"):
-                    count += float(line.split()[-1])
-    return round(1000 * total / count, 2) if count else None
+                name = _ENGINE.get(line.split("{", 1)[0].split(" ", 1)[0])
+                if name is not None:
+                    leg[name] += float(line.split()[-1])
+
+    def ttft(leg: dict[str, float]) -> float | None:
+        return round(1000 * leg["ttft_s"] / leg["firsts"], 2) if leg["firsts"] else None
+
+    p = sums["prefill"]
+    return {"engine_ttft_mean_ms": ttft(p), "decode_engine_ttft_mean_ms": ttft(sums["decode"]),
+            "prefill_cached_share": _r((p["hits"] + p["host_hits"]) / p["queries"]) if p["queries"] else None}
 
 
 #: The engines' samples whose sum is the requests they have taken.
@@ -429,7 +523,10 @@ def _taken(client: httpx.Client, url: str) -> float:
 @contextmanager
 def _at_half(engines: list[fleet.Engine], total: int, act: Any, every_s: float = 0.25) -> Iterator[None]:
     """``act()`` (kill an engine, restart a router) once the engines have taken half of
-    the ``total`` requests, by their own counters (so whatever the replayer)."""
+    the ``total`` requests, by their own counters (so whatever the replayer): the engines
+    that prefill, as every request goes to one of them (and, under PD, to a decode engine
+    too)."""
+    engines = [e for e in engines if e.role != "decode"]
     done = threading.Event()
     failure: list[BaseException] = []
 

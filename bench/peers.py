@@ -19,6 +19,28 @@ SIGTERM). What they ask of a backend, as seen with kvstream's bench backend:
   subscribes (the engine binds), and matches the rendered token ids against the token
   ids of the events' ``BlockStored`` (the events' block hashes only name the blocks):
   a render and the events must agree on the tokens.
+
+Disaggregated (prefill/decode) mode, ``PeerOptions.decode`` given (``workers`` are then
+the prefill workers), as seen with a stub worker logging what it is sent and with the
+emulator:
+
+- ``sglang-router launch --pd-disaggregation --prefill URL BOOTSTRAP_PORT … --decode URL
+  …``: at startup ``/health``, ``/server_info``, ``/get_server_info``, ``/model_info``,
+  ``/get_model_info`` on every worker (404s are fine); per request both legs at once, the
+  client's body with ``bootstrap_host`` (the prefill URL's host), ``bootstrap_port`` and
+  one ``bootstrap_room``, plus SGLang's own fields (``no_stop_trim``,
+  ``return_hidden_states``, ``skip_special_tokens``, ``ignore_eos``, ``echo``); the decode
+  leg's answer is the client's (SGLang's bootstrap hand-off);
+- ``vllm-router --vllm-pd-disaggregation --prefill URL … --decode URL … --kv-connector
+  nixl``: ``/health`` and ``/metrics`` (DP discovery) at startup; per request the render
+  (on every worker under ``cache_aware``, on the prefill workers under ``kv_aware``), then
+  the prefill leg (``kv_transfer_params.do_remote_decode``, ``max_tokens`` 1, not
+  streamed), then the decode leg with the prefill answer's ``kv_transfer_params``
+  (vLLM's NixlConnector hand-off); the client's answer is the decode leg's, but its
+  ``usage.prompt_tokens_details.cached_tokens`` is the prefill leg's. ``kv_aware`` reads
+  the prefill workers' KV events: ``--pd-kv-events WORKER_URL=tcp://HOST:PORT``.
+
+``kvstream emulate --role prefill|decode`` answers both (``kvstream bench fleet --pd``).
 """
 
 from __future__ import annotations
@@ -45,6 +67,8 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "sglang-router": ("cache_aware", "round_robin"),
     "vllm-router": ("cache_aware", "round_robin", "kv_aware"),
 }
+#: The KV hand-off each peer drives between a prefill and a decode engine (PD mode).
+HANDOFFS = {"sglang-router": "bootstrap", "vllm-router": "nixl"}
 #: vLLM's default KV block size (what ``--kv-event-block-size`` must match).
 KV_EVENT_BLOCK_SIZE = 16
 
@@ -65,16 +89,21 @@ def peers_venv() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class PeerOptions:
-    """One peer router in front of ``workers`` (base URLs, no ``/v1``)."""
+    """One peer router in front of ``workers`` (base URLs, no ``/v1``); with ``decode``, in
+    PD mode: ``workers`` are the prefill workers."""
 
     peer: str
     policy: str
     workers: tuple[str, ...]
-    #: ``kv_aware`` only: each worker's ZMQ KV-event endpoint (``tcp://host:port``).
+    #: ``kv_aware`` only: each (prefill) worker's ZMQ KV-event endpoint (``tcp://host:port``).
     kv_events: Mapping[str, str] | None = None
     #: ``kv_aware`` only: the model every event source serves.
     kv_event_model: str | None = None
     kv_event_block_size: int = KV_EVENT_BLOCK_SIZE
+    #: PD mode: the decode workers.
+    decode: tuple[str, ...] = ()
+    #: PD mode, ``bootstrap`` hand-off (sglang-router): each prefill worker's bootstrap port.
+    bootstrap_ports: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.peer not in POLICIES:
@@ -92,6 +121,11 @@ class PeerOptions:
                     "vllm-router kv_aware needs a ZMQ event endpoint for every worker and the model name "
                     f"(missing endpoints: {missing}, model: {self.kv_event_model!r})"
                 )
+        if self.decode and HANDOFFS[self.peer] == "bootstrap":
+            missing = [w for w in self.workers if w not in (self.bootstrap_ports or {})]
+            if missing:
+                raise click.ClickException(f"{self.peer} in PD mode needs every prefill worker's bootstrap port "
+                                           f"(missing: {missing})")
 
     @property
     def name(self) -> str:
@@ -101,18 +135,30 @@ class PeerOptions:
 def peer_command(options: PeerOptions, venv: Path, port: int, metrics_port: int) -> list[str]:
     """The command line that starts the peer on ``port`` (loopback only; its Prometheus
     endpoint on ``metrics_port``, as both default to one shared port, 29000)."""
+    if options.decode:
+        ports = options.bootstrap_ports or {}
+        workers = [a for w in options.workers for a in ("--prefill", w, *([str(ports[w])] if w in ports else []))]
+        workers += [a for w in options.decode for a in ("--decode", w)]
+    else:
+        workers = ["--worker-urls", *options.workers]
     common = [
-        "--host", HOST, "--port", str(port), "--worker-urls", *options.workers, "--policy", options.policy,
+        "--host", HOST, "--port", str(port), *workers, "--policy", options.policy,
         "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
     ]
     if options.peer == "sglang-router":
         # Per-request INFO logs would be part of what is measured.
-        return [str(venv / "bin" / "sglang-router"), "launch", *common, "--log-level", "warn"]
+        pd = ["--pd-disaggregation"] if options.decode else []
+        return [str(venv / "bin" / "sglang-router"), "launch", *pd, *common, "--log-level", "warn"]
     cmd = [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"]
+    if options.decode:
+        cmd += ["--vllm-pd-disaggregation", "--kv-connector", HANDOFFS[options.peer],
+                "--prefill-policy", options.policy, "--decode-policy", options.policy]
     if options.policy == "kv_aware":
         assert options.kv_events is not None and options.kv_event_model is not None
+        # PD mode reads the prefill workers' events only, at vLLM's block size.
+        flag = "--pd-kv-events" if options.decode else "--kv-event-source"
         for worker in options.workers:
-            cmd += ["--kv-event-source", f"{worker}={options.kv_events[worker]}"]
+            cmd += [flag, f"{worker}={options.kv_events[worker]}"]
         cmd += ["--kv-event-model", options.kv_event_model, "--kv-event-block-size", str(options.kv_event_block_size)]
     return cmd
 

@@ -6,6 +6,12 @@ demo`` and ``kvstream bench fleet`` share.
   model and capacity so that a scaled-down prompt costs what the real one would.
 - **Bridges**: ``kvstream worker --engine vllm`` per engine, registering its URL and
   model on ``kvstream.workers``, so that every replica's gateway routes to it.
+- **Disaggregated engines** (``start_engines(..., prefill=P, handoff=...)``): the first P
+  engines take only prefill legs (``--role prefill``), the rest only decode legs, handing
+  the KV over by vLLM's NixlConnector (``nixl``) or SGLang's bootstrap server
+  (``bootstrap``, each prefill engine on a free bootstrap port of its own); their bridges
+  register the role, the hand-off and the bootstrap port, so the gateways route each
+  request in two legs. The transfer's cost per token is scaled like the prefill's.
 - **Replicas**: ``kvstream router`` processes serving the OpenAI API.
 - **Replay**: the trace's requests sent at their timestamps (divided by the speed) with
   the official ``openai`` SDK (async, one task per request, streamed with usage, over
@@ -62,6 +68,7 @@ _CLI = [sys.executable, "-c", "from kvstream.cli import main; main()"]
 #: The emulator's own per-token costs (kvstream emulate's defaults), scaled with the prompts.
 _PREFILL_MS_PER_TOKEN = 0.05
 _DECODE_MS_PER_CONTEXT_TOKEN = 4e-5
+_KV_TRANSFER_MS_PER_TOKEN = 0.0026
 _GPU_BLOCKS = 16_384
 _BATCHED_TOKENS = 8192
 _CPU_BLOCKS = 65_536
@@ -206,6 +213,10 @@ class Scale:
             *(["--tokenizer", str(self.tokenizer)] if self.tokenizer is not None else []),
         ]
 
+    def kv_transfer_ms_per_token(self) -> float:
+        """A disaggregated decode engine's cost of receiving a prompt token's KV."""
+        return _KV_TRANSFER_MS_PER_TOKEN * self.factor
+
 
 @dataclass(slots=True)
 class Engine:
@@ -215,20 +226,42 @@ class Engine:
     proc: ManagedProcess
     events: str
     replay: str
+    #: ``both`` (whole requests), ``prefill`` or ``decode`` (one leg of a disaggregated one).
+    role: str = "both"
+    #: How a prefill or decode engine hands the KV over: ``nixl`` or ``bootstrap``.
+    handoff: str | None = None
+    #: A bootstrap prefill engine's bootstrap server.
+    bootstrap_port: int | None = None
 
     @property
     def url(self) -> str:
         return self.proc.url
 
 
-def start_engine(index: int, scale: Scale, speed: float, port: int | None = None) -> Engine:
+def role_flags(role: str, handoff: str | None, bootstrap_port: int | None) -> list[str]:
+    """``--role``, ``--handoff``, ``--bootstrap-port`` as ``kvstream emulate`` and
+    ``kvstream worker`` both take them (none for a whole engine)."""
+    if role == "both":
+        return []
+    assert handoff is not None
+    port = ["--bootstrap-port", str(bootstrap_port)] if bootstrap_port is not None else []
+    return ["--role", role, "--handoff", handoff, *port]
+
+
+def start_engine(index: int, scale: Scale, speed: float, port: int | None = None, role: str = "both",
+                 handoff: str | None = None) -> Engine:
     port = port or free_port()
     pub, rep = free_port(), free_port()
     events, replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
+    bootstrap = free_port() if role == "prefill" and handoff == "bootstrap" else None
     cmd = [*_CLI, "emulate", "--port", str(port), "--model", MODEL, "--speed", str(speed), *scale.engine_flags(),
            "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
-    proc = ManagedProcess.start(f"engine-{index}", cmd, port, extra_ports=[pub, rep])
-    return Engine(index, proc, events, replay)
+    if role != "both":
+        cmd += [*role_flags(role, handoff, bootstrap),
+                "--kv-transfer-ms-per-token", str(scale.kv_transfer_ms_per_token())]
+    ports = [pub, rep, *([bootstrap] if bootstrap is not None else [])]
+    proc = ManagedProcess.start(f"engine-{index}", cmd, port, extra_ports=ports)
+    return Engine(index, proc, events, replay, role, handoff, bootstrap)
 
 
 #: Starts of one engine: a free port found can be bound by another process before the
@@ -236,11 +269,15 @@ def start_engine(index: int, scale: Scale, speed: float, port: int | None = None
 _PORT_TRIES = 3
 
 
-def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0) -> list[Engine]:
+def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0, prefill: int = 0,
+                  handoff: str | None = None) -> list[Engine]:
+    """``count`` engines; with ``handoff``, a disaggregated fleet: the first ``prefill``
+    of them prefill engines, the rest decode engines."""
+    roles = ["prefill"] * prefill + ["decode"] * (count - prefill) if handoff else ["both"] * count
     engines: list[Engine] = []
     try:
-        for i in range(count):
-            engines.append(start_engine(i + 1, scale, speed))
+        for i, role in enumerate(roles):
+            engines.append(start_engine(i + 1, scale, speed, role=role, handoff=handoff))
         for i, e in enumerate(engines):
             for attempt in range(_PORT_TRIES):
                 try:
@@ -251,7 +288,7 @@ def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0)
                     if not lost_port or attempt == _PORT_TRIES - 1:
                         raise
                     e.proc.stop()
-                    e = engines[i] = start_engine(e.index, scale, speed)
+                    e = engines[i] = start_engine(e.index, scale, speed, role=e.role, handoff=e.handoff)
     except BaseException:
         stop_all(e.proc for e in engines)
         raise
@@ -265,7 +302,8 @@ def kafka_env(prefix: str, extra: dict[str, str] | None = None) -> dict[str, str
 def start_bridge(engine: Engine, bootstrap: str, prefix: str) -> ManagedProcess:
     cmd = [*_CLI, "worker", "--engine", "vllm", "--worker-id", str(engine.index), "--bootstrap", bootstrap,
            "--endpoint", engine.events, "--replay-endpoint", engine.replay,
-           "--engine-url", engine.url, "--model", MODEL, "--heartbeat-s", "1", "--metrics-port", "0"]
+           "--engine-url", engine.url, "--model", MODEL, "--heartbeat-s", "1", "--metrics-port", "0",
+           *role_flags(engine.role, engine.handoff, engine.bootstrap_port)]
     # A bridge serves nothing: its "port" is a placeholder the process never binds.
     return ManagedProcess.start(f"bridge-{engine.index}", cmd, free_port(), env=kafka_env(prefix))
 
@@ -281,9 +319,9 @@ class Replica:
     snapshot_dir: Path
     #: The engines' tokenizer.json: the gateway tokenizes text with it (None: on an engine).
     tokenizer: Path | None = None
-    #: Engines given in ``[[gateway.workers]]`` (id, URL, blocks it keeps cached), for a
-    #: fleet without bridges: routed by predicted blocks alone (approximate mode).
-    static: tuple[tuple[int, str, int], ...] = ()
+    #: Engines given in ``[[gateway.workers]]`` (each with the blocks it keeps cached),
+    #: for a fleet without bridges: routed by predicted blocks alone (approximate mode).
+    static: tuple[tuple[Engine, int], ...] = ()
     port: int = field(default_factory=free_port)
     proc: ManagedProcess | None = None
 
@@ -298,9 +336,11 @@ class Replica:
         if self.tokenizer is not None:
             # The engines' own tokenizer.json: no /tokenize round trip per text prompt.
             toml += ['tokenize = "local"', "[[gateway.models]]", f'name = "{MODEL}"', f"tokenizer = {str(self.tokenizer)!r}"]
-        for wid, url, blocks in self.static:
-            toml += ["[[gateway.workers]]", f"id = {wid}", f'url = "{url}"', f'models = ["{MODEL}"]',
-                     f"kv_capacity_blocks = {blocks}"]
+        for e, blocks in self.static:
+            toml += ["[[gateway.workers]]", f"id = {e.index}", f'url = "{e.url}"', f'models = ["{MODEL}"]',
+                     f"kv_capacity_blocks = {blocks}", f'role = "{e.role}"']
+            toml += [f'handoff = "{e.handoff}"'] if e.handoff is not None else []
+            toml += [f"bootstrap_port = {e.bootstrap_port}"] if e.bootstrap_port is not None else []
         config = self.snapshot_dir.with_name(self.snapshot_dir.name + ".toml")
         config.write_text("\n".join(toml) + "\n")
         cmd += ["--config", str(config)]

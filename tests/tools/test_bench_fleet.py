@@ -1,10 +1,13 @@
 """``kvstream bench fleet --quick``: routers in front of the same emulated fleet and trace
 slice, on the session's broker; every router serves every request, and kvstream's kv
-policy finds at least round-robin's share of cached tokens (the engines' own counts)."""
+policy finds at least round-robin's share of cached tokens (the engines' own counts).
+``--pd 1:1``: each router kind serves every request in two legs, beside its baseline on
+whole engines."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +64,48 @@ def test_bench_fleet_approx_replicas_and_restarts(kafka_bootstrap: str) -> None:
         assert row["restart"]["down_s"] > 0, name
         assert row["halves"]["second"]["failed"] < row["halves"]["second"]["requests"], name
         assert row["shed_rate"] == round(row["failed"] / row["requests"], 4)
+
+
+#: A router of each kind in PD mode, with kvstream's hand-off (None: the default, nixl; the
+#: peers drive their own), and the repeats.
+PD_CASES = [("kvstream-kv", None, 2), ("kvstream-ttft", "bootstrap", 1), ("kvstream-kv-approx", "bootstrap", 1),
+            ("vllm-router-kv_aware", None, 1), ("sglang-router-cache_aware", None, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("router", "handoff", "repeats"), PD_CASES,
+                         ids=[f"{r}-{h}" if h else r for r, h, _ in PD_CASES])
+def test_bench_fleet_pd(kafka_bootstrap: str, router: str, handoff: str | None, repeats: int) -> None:
+    """One prefill and one decode engine: every request is answered through both legs (the
+    decode engine made first tokens), and so by the same router in front of two whole
+    engines; on whole engines the answers' cached tokens are the engines' own counters',
+    under PD the answer's count is at least the prefill engine's (it is the decode
+    engine's, which counts the KV it received as cached, or the prefill leg's, which
+    vllm-router relays). round_robin, which has no PD mode, is skipped. With repeats,
+    each row is the median of its runs."""
+    proc = subprocess.run(
+        [KVSTREAM, "bench", "fleet", "--pd", "1:1", *(["--pd-handoff", handoff] if handoff else []),
+         "--requests", "30", "--loads", "1", "--no-kill-engine", "--replayer", "sdk", "--json",
+         "--repeats", str(repeats),
+         "--bootstrap", kafka_bootstrap, "--routers", f"{router},round_robin"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["engines"] == 2 and out["pd"]["prefill"] == out["pd"]["decode"] == 1
+    assert out["pd"]["handoff"] == {"kvstream": handoff or "nixl", "vllm-router": "nixl", "sglang-router": "bootstrap"}
+    assert set(out["skipped"]) == {"round_robin"}
+    rows = out["traces"]["conversation"]["routers"]
+    assert set(rows) == {router, f"{router}-whole"}
+    pd, whole = rows[router]["1x"], rows[f"{router}-whole"]["1x"]
+    for row in (pd, whole):
+        assert row["requests"] == 30 and row["failed"] == 0, row
+        assert 0 <= row["prefill_cached_share"] <= 1
+    assert pd["decode_engine_ttft_mean_ms"] is not None and whole["decode_engine_ttft_mean_ms"] is None
+    assert whole["cached_token_share"] == pytest.approx(whole["prefill_cached_share"], abs=0.01)
+    assert pd["cached_token_share"] >= pd["prefill_cached_share"]
+    if repeats > 1:
+        for row in (pd, whole):
+            runs = [r["prefill_cached_share"] for r in row["runs"]]
+            assert len(runs) == repeats and row["prefill_cached_share"] == round(statistics.median(runs), 4)

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from kvstream.settings import Settings
 from bench import bench
 from bench.backend import MODEL, backend_requests, start_backends
-from bench.peers import PeerOptions, start_peer
+from bench.peers import PeerOptions, peer_command, start_peer
 from kvstream.tools.procs import free_port, port_taken
 
 pytestmark = [pytest.mark.slow]
@@ -150,6 +150,52 @@ def test_bad_peer_options_are_refused() -> None:
         PeerOptions("sglang-router", "kv_aware", ("http://127.0.0.1:1",))
     with pytest.raises(click.ClickException, match="ZMQ event endpoint"):
         PeerOptions("vllm-router", "kv_aware", ("http://127.0.0.1:1",))
+
+
+def _values(cmd: list[str], flag: str) -> list[list[str]]:
+    """The arguments after each ``flag`` of ``cmd``, up to the next option."""
+    out = []
+    for i, arg in enumerate(cmd):
+        if arg == flag:
+            rest = cmd[i + 1:]
+            out.append(rest[: next((j for j, a in enumerate(rest) if a.startswith("--")), len(rest))])
+    return out
+
+
+def test_pd_command_lines() -> None:
+    """PD mode: the prefill workers (with their bootstrap ports where given) and the decode
+    workers, each peer's own PD switch and hand-off; kv_aware reads the prefill workers'
+    events only. Without decode workers the command is the plain one."""
+    venv, p, d = Path("/venv"), ("http://127.0.0.1:1", "http://127.0.0.1:2"), ("http://127.0.0.1:3",)
+    sglang = peer_command(PeerOptions("sglang-router", "cache_aware", p, decode=d,
+                                      bootstrap_ports={p[0]: 9001, p[1]: 9002}), venv, 10, 11)
+    assert sglang[:3] == ["/venv/bin/sglang-router", "launch", "--pd-disaggregation"]
+    assert _values(sglang, "--prefill") == [[p[0], "9001"], [p[1], "9002"]] and _values(sglang, "--decode") == [[d[0]]]
+    assert _values(sglang, "--policy") == [["cache_aware"]] and "--worker-urls" not in sglang
+
+    events = {p[0]: "tcp://127.0.0.1:5001", p[1]: "tcp://127.0.0.1:5002"}
+    for policy in ("cache_aware", "kv_aware"):
+        kv = policy == "kv_aware"
+        vllm = peer_command(PeerOptions("vllm-router", policy, p, events if kv else None, MODEL if kv else None,
+                                        decode=d), venv, 10, 11)
+        assert vllm[0] == "/venv/bin/vllm-router" and "--vllm-pd-disaggregation" in vllm
+        assert _values(vllm, "--prefill") == [[p[0]], [p[1]]] and _values(vllm, "--decode") == [[d[0]]]
+        assert _values(vllm, "--kv-connector") == [["nixl"]]
+        assert _values(vllm, "--prefill-policy") == _values(vllm, "--decode-policy") == [[policy]]
+        assert _values(vllm, "--pd-kv-events") == ([[f"{w}={events[w]}"] for w in p] if kv else [])
+        assert "--kv-event-source" not in vllm and "--worker-urls" not in vllm
+
+    plain = peer_command(PeerOptions("vllm-router", "kv_aware", p, events, MODEL), venv, 10, 11)
+    assert _values(plain, "--worker-urls") == [list(p)] and len(_values(plain, "--kv-event-source")) == 2
+    assert not {"--vllm-pd-disaggregation", "--prefill", "--decode", "--pd-kv-events"} & set(plain)
+
+
+def test_bad_pd_options_are_refused() -> None:
+    p, d = ("http://127.0.0.1:1",), ("http://127.0.0.1:2",)
+    with pytest.raises(click.ClickException, match="bootstrap port"):
+        PeerOptions("sglang-router", "cache_aware", p, decode=d)
+    with pytest.raises(click.ClickException, match="ZMQ event endpoint"):
+        PeerOptions("vllm-router", "kv_aware", p, {d[0]: "tcp://127.0.0.1:5"}, MODEL, decode=d)
 
 
 def test_sigterm_stops_what_the_bench_started() -> None:
