@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,8 +121,6 @@ def router(
             f"refusing to serve {r.host} (not loopback) without a token: set KVSTREAM_REPLICA__TOKEN "
             "or token_file (or per scope: client_, operator_, peer_token), or --allow-open-bind"
         )
-    from kvstream.replica.service import create_app
-
     limits = http_limits(settings)
     gave_up = threading.Event()
 
@@ -133,16 +132,6 @@ def router(
         replica = Replica(settings, options, router_config(settings), on_fatal=on_fatal)
     except ReplicaError as exc:
         raise click.ClickException(f"cannot start the replica: {exc}") from None
-    gw_options = settings.gateway if gateway is None else replace(settings.gateway, enabled=gateway)
-    try:
-        gw = gateway_for(replica, gw_options)
-    except GatewayError as exc:
-        raise click.ClickException(f"cannot start the gateway: {exc}") from None
-    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs, gateway=gw)
-    server = _Server(
-        server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
-    )
-    server.replica_id = replica.replica_id
     # Bound before the replica starts: a taken port is one line, not a replica that
     # recovers, says it is ready, and then fails.
     try:
@@ -151,11 +140,35 @@ def router(
         raise click.ClickException(
             f"cannot serve on {r.host}:{r.port}: {os.strerror(exc.errno or 0).lower()} (is another process using the port? --port)"
         ) from None
+    t0 = time.monotonic()
     try:
         replica.start()
     except Exception as exc:
         sock.close()
         raise click.ClickException(f"cannot start the replica: {exc}") from None
+    t_replica = time.monotonic()
+    # The replica catches up with the log in its threads (broker round trips, mostly
+    # waiting) while this thread loads the tokenizers and the HTTP side (CPU): a restart
+    # is ready when the slower of the two is done, not after both.
+    gw_options = settings.gateway if gateway is None else replace(settings.gateway, enabled=gateway)
+    try:
+        gw = gateway_for(replica, gw_options)
+    except GatewayError as exc:
+        replica.stop()
+        sock.close()
+        raise click.ClickException(f"cannot start the gateway: {exc}") from None
+    t_gateway = time.monotonic()
+    from kvstream.replica.service import create_app
+
+    app = create_app(replica, tokens=scoped_tokens, limits=limits, docs=r.http_docs, gateway=gw)
+    server = _Server(
+        server_config(app, settings, limits, lambda limit: replica.metrics.http_rejected.labels(limit=limit).inc())
+    )
+    server.replica_id = replica.replica_id
+    # Where the start-up's time went, one line (issue 33: a restart answers once it is done).
+    log.info("started", replica=replica.replica_id, replica_s=round(t_replica - t0, 3),
+             gateway_s=round(t_gateway - t_replica, 3), app_s=round(time.monotonic() - t_gateway, 3),
+             ready=replica.ready)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     # uvicorn handles Ctrl-C while it serves and raises it again once stopped: then this
     # command ends as every kvstream command does on Ctrl-C (130).

@@ -35,6 +35,9 @@ log = get_logger(__name__)
 LAG_QUERY_TIMEOUT_S = 5.0
 #: Between two looks (s).
 LAG_INTERVAL_S = 0.5
+#: Between two looks until the replica is first ready (s): a restart that waited a whole
+#: interval for a look after it caught up would refuse requests meanwhile.
+START_LAG_INTERVAL_S = 0.05
 
 
 def iso(t: float) -> str:
@@ -94,7 +97,7 @@ class LagWatch:
                 self._check_partitions()
             self._update_lag()
             self._progress()
-            self._stop.wait(LAG_INTERVAL_S)
+            self._stop.wait(LAG_INTERVAL_S if self._ready.is_set() else START_LAG_INTERVAL_S)
 
     def lagging(self) -> dict[int, int]:
         """Partitions whose lag is past ``ready_max_lag`` → their lag (records)."""

@@ -60,7 +60,13 @@ class RegistryReader:
             ends = end_offsets(consumer, topic, parts, 30)
             consumer.assign([TopicPartition(topic, p, self._next.get(p, OFFSET_BEGINNING)) for p in parts])
             while not self._stop.is_set():
-                for m in consumer.consume(500, 0.1):
+                # Wait for one record, then take what is already there: consume(500, t)
+                # waits the whole t for a short topic, and the replica is not ready
+                # until the registry is loaded (a partition's end comes as an EOF event).
+                msgs = consumer.consume(1, 0.1)
+                if msgs:
+                    msgs += consumer.consume(499, 0)
+                for m in msgs:
                     if m.error() is not None:
                         if m.error().code() != KafkaError._PARTITION_EOF:
                             self._metrics.consume_errors.inc()

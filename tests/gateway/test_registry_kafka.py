@@ -156,3 +156,21 @@ def test_poison_registrations_are_counted_and_skipped(kafka_topics: Settings) ->
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_starting_replica_is_ready_only_with_the_whole_registry(kafka_topics: Settings) -> None:
+    # More registrations than one consume takes: readiness waits for the topic's end as it
+    # was at start, not for the first batch.
+    codec = RegistrationCodec()
+    producer = Producer(producer_config(kafka_topics))
+    for wid in range(1, 1201):
+        reg = Registration(wid, f"http://127.0.0.1:{9000 + wid}", ("m",), (), 16, (0,), "vllm", 512, 1, 0)
+        producer.produce(kafka_topics.topics.name("workers"), key=worker_key(wid), value=codec.encode(reg))
+    assert producer.flush(30) == 0
+    r = Replica(kafka_topics, ReplicaOptions(tick_interval_s=3600.0))
+    r.start()
+    try:
+        assert r.wait_ready(60), f"replica never became ready: {r.not_ready_reasons()}"
+        assert len(r.registry.registrations()) == 1200
+    finally:
+        r.stop()

@@ -99,3 +99,19 @@ def test_no_gateway_flag_leaves_the_openai_endpoints_out(kafka_topics: Settings,
         assert httpx.post(f"http://127.0.0.1:{port}/v1/route", json={"token_ids": [1], "query_only": True}).status_code == 503
     finally:
         stop_process(proc)
+
+
+def test_a_gateway_that_cannot_start_stops_the_router(kafka_topics: Settings, tmp_path: Path) -> None:
+    # The replica starts before the gateway loads its tokenizers (a restart catches up
+    # meanwhile): a tokenizer that cannot be loaded stops it again, and the command fails.
+    config = tmp_path / "kvstream.toml"
+    config.write_text(f'[[gateway.models]]\nname = "m"\ntokenizer = "{tmp_path / "missing"}"\n')
+    snapshots = tmp_path / "snapshots"
+    out = subprocess.run(
+        [str(KVSTREAM), "router", "--config", str(config), "--bootstrap", str(kafka_topics.bootstrap),
+         "--port", str(free_port()), "--snapshot-dir", str(snapshots)],
+        env=router_env(kafka_topics), capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT, timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Error: cannot start the gateway:" in out.stderr
+    assert "stopped without a final snapshot" not in out.stderr
