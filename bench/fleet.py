@@ -44,6 +44,15 @@ run and the same turns. ``round_robin`` has no PD mode (nothing pairs the legs):
 skipped, said under ``skipped``. ``--restart`` and ``--kill-engine`` run on the
 disaggregated fleet (the engine killed is a prefill engine).
 
+Data-parallel engines (``--dp N``, issue 34): every engine process serves N DP ranks
+behind its one server (``kvstream emulate --data-parallel-size N``, each rank its own
+cache and KV events on its own port), ``--engines`` ÷ N of them; kvstream's bridges
+publish every rank's events and the gateways route each request to a rank
+(``X-data-parallel-rank``), ``vllm-router`` kv_aware reads every rank's events, the other
+peers send to the engine, which balances its ranks itself. Beside each router's row, its
+baseline ``<router>-single-rank``: the same router in front of ``--engines`` engines of
+one rank each (the same ranks, caches and capacity), in the same run and turns.
+
 ``--repeats K`` plays every run K times, the routers in turn (A B C A B C ...), and
 reports each figure's median beside every run's. Each row has ``shed_rate`` (failed ÷
 sent) beside the latencies, and ``halves``: the first and second half of the requests'
@@ -193,7 +202,7 @@ def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path, 
             prefill = [e for e in engines if e.role != "decode"]
             kv_aware = spec.policy == "kv_aware"
             opts = PeerOptions(spec.kind, spec.policy, tuple(e.url for e in prefill),
-                               {e.url: e.events for e in prefill} if kv_aware else None,
+                               {e.url: ",".join(e.rank_endpoints()[0]) for e in prefill} if kv_aware else None,
                                fleet.MODEL if kv_aware else None,
                                decode=tuple(e.url for e in engines if e.role == "decode"),
                                bootstrap_ports={e.url: e.bootstrap_port for e in prefill if e.bootstrap_port})
@@ -275,6 +284,9 @@ def _trace_requests(trace: str, path: Path | None, count: int, speed: float) -> 
 @click.option("--pd-handoff", type=click.Choice(PD_HANDOFFS), default="nixl", show_default=True,
               help="With --pd: how kvstream's prefill engines hand the KV to its decode engines (the peers use "
                    "their own: vllm-router nixl, sglang-router bootstrap).")
+@click.option("--dp", "dp_ranks", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="DP ranks per engine process (--engines ÷ this processes), each router beside its "
+                   "<router>-single-rank baseline on --engines single-rank engines.")
 @click.option("--quick", is_flag=True,
               help="2 engines (or --pd's), 120 requests, the first load only, no engine killed (for tests).")
 @click.option("--replayer", "replayer_name", type=click.Choice(sorted(REPLAYERS)), default="aiperf", show_default=True,
@@ -286,7 +298,7 @@ def _trace_requests(trace: str, path: Path | None, count: int, speed: float) -> 
 @json_option
 def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, traces: str, repeats: int,
                 restart: bool, kill_engine: bool, routers: str, trace: Path | None, pd_text: str | None,
-                pd_handoff: str, quick: bool, replayer_name: str, plot: Path | None, bootstrap: str | None,
+                pd_handoff: str, dp_ranks: int, quick: bool, replayer_name: str, plot: Path | None, bootstrap: str | None,
                 as_json: bool) -> None:
     """Routers head to head in front of the same emulated fleet and traces."""
     if plot is not None:
@@ -310,7 +322,9 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
             raise click.ClickException("--pd P:D sets the fleet's size: leave --engines out")
         n_engines = pd.prefill + pd.decode
     if quick:
-        n_engines, requests, factors, kill_engine = n_engines if pd else min(n_engines, 2), 120, factors[:1], False
+        n_engines, requests, factors, kill_engine = n_engines if pd else min(n_engines, 2 * dp_ranks), 120, factors[:1], False
+    if dp_ranks > 1 and (pd is not None or n_engines % dp_ranks or any(RouterSpec.parse(r).approx for r in chosen)):
+        raise click.ClickException(f"--dp {dp_ranks} needs --engines a multiple of it, and neither --pd nor -approx")
     scale = fleet.Scale(tokenizer=fleet.local_tokenizer())
     replayer: Replayer = AiperfReplayer() if replayer_name == "aiperf" else SdkReplayer(text=True)
     out: dict[str, Any] = {"engines": n_engines, "requests": requests, "engine_speed": engine_speed, "loads": factors,
@@ -326,8 +340,11 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
                      "baseline": f"<router>-whole: the same router in front of {n_engines} whole engines"}
         if skipped:
             out["skipped"] = {r: "no PD mode: nothing pairs a prefill leg with a decode leg" for r in skipped}
-    # Under --pd each router's baseline, on whole engines, plays in its turn beside it.
-    fleets = ("", "whole") if pd is not None else ("",)
+    if dp_ranks > 1:
+        out["dp"] = {"ranks": dp_ranks, "engines": n_engines // dp_ranks,
+                     "baseline": f"<router>-single-rank: the same router in front of {n_engines} single-rank engines"}
+    # Under --pd (--dp) each router's baseline, on whole (single-rank) engines, plays in its turn beside it.
+    fleets = ("", "whole") if pd is not None else ("", "single-rank") if dp_ranks > 1 else ("",)
     plays = [(r, load, f) for load in factors for r in chosen for f in fleets]
     if restart:  # round-robin has no process to kill
         plays += [(r, heavy, "restarted") for r in chosen if RouterSpec.parse(r).kind != "round_robin"]
@@ -345,8 +362,9 @@ def fleet_bench(n_engines: int, requests: int, engine_speed: float, loads: str, 
                     work.mkdir()
                     n += 1
                     handoff = _handoff(router, pd_handoff) if pd is not None and scenario != "whole" else None
-                    row = _run(router, reqs, scale, engine_speed, n_engines, servers, work, scenario, replayer,
-                               pd.prefill if handoff else 0, handoff)
+                    ranks = 1 if scenario == "single-rank" else dp_ranks
+                    row = _run(router, reqs, scale, engine_speed, n_engines // ranks, servers, work, scenario, replayer,
+                               pd.prefill if handoff else 0, handoff, ranks)
                     name = router + (f"-{scenario}" if scenario else "")
                     runs.setdefault((shape, name, f"{load:g}x"), []).append(row)
                     click.echo(f"[{rep + 1}/{repeats}] {shape} {name} load {load:g}x: "
@@ -431,11 +449,12 @@ def draw(out: dict[str, Any], path: Path) -> None:
 
 
 def _run(router: str, reqs: list[Request], scale: fleet.Scale, speed: float, n_engines: int, bootstrap: str,
-         work: Path, scenario: str, replayer: Replayer, prefill: int = 0, handoff: str | None = None) -> dict[str, Any]:
-    """One router at one load on fresh engines (with ``handoff``: ``prefill`` prefill
-    engines, the rest decode engines): the replay's summary, its halves, the routers' CPU,
-    the engines' own figures."""
-    engines = fleet.start_engines(n_engines, scale, speed, prefill=prefill, handoff=handoff)
+         work: Path, scenario: str, replayer: Replayer, prefill: int = 0, handoff: str | None = None,
+         ranks: int = 1) -> dict[str, Any]:
+    """One router at one load on fresh engines of ``ranks`` DP ranks each (with
+    ``handoff``: ``prefill`` prefill engines, the rest decode engines): the replay's
+    summary, its halves, the routers' CPU, the engines' own figures."""
+    engines = fleet.start_engines(n_engines, scale, speed, prefill=prefill, handoff=handoff, ranks=ranks)
     try:
         with front(router, engines, bootstrap, work, scale) as fr, ExitStack() as stack:
             if scenario == "engine-killed":

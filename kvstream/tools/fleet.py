@@ -55,7 +55,7 @@ import click
 import httpx
 import numpy as np
 
-from kvstream.tools.procs import ManagedProcess, free_port, wait_http
+from kvstream.tools.procs import ManagedProcess, free_port, free_port_run, wait_http
 from kvstream.tools.tokenizer_file import TokenizerFetchError, deepseek_tokenizer
 from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
 
@@ -232,10 +232,21 @@ class Engine:
     handoff: str | None = None
     #: A bootstrap prefill engine's bootstrap server.
     bootstrap_port: int | None = None
+    #: Data-parallel ranks behind its one server (``--data-parallel-size``).
+    ranks: int = 1
 
     @property
     def url(self) -> str:
         return self.proc.url
+
+    def rank_endpoints(self) -> tuple[list[str], list[str]]:
+        """Each rank's KV-event PUB and replay endpoints: ``events``' and ``replay``'s
+        ports + the rank, as vLLM binds them."""
+        def of(base: str) -> list[str]:
+            host, _, port = base.rpartition(":")
+            return [f"{host}:{int(port) + r}" for r in range(self.ranks)]
+
+        return of(self.events), of(self.replay)
 
 
 def role_flags(role: str, handoff: str | None, bootstrap_port: int | None) -> list[str]:
@@ -249,9 +260,9 @@ def role_flags(role: str, handoff: str | None, bootstrap_port: int | None) -> li
 
 
 def start_engine(index: int, scale: Scale, speed: float, port: int | None = None, role: str = "both",
-                 handoff: str | None = None) -> Engine:
+                 handoff: str | None = None, ranks: int = 1) -> Engine:
     port = port or free_port()
-    pub, rep = free_port(), free_port()
+    pub, rep = free_port_run(ranks), free_port_run(ranks)
     events, replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
     bootstrap = free_port() if role == "prefill" and handoff == "bootstrap" else None
     cmd = [*_CLI, "emulate", "--port", str(port), "--model", MODEL, "--speed", str(speed), *scale.engine_flags(),
@@ -259,9 +270,11 @@ def start_engine(index: int, scale: Scale, speed: float, port: int | None = None
     if role != "both":
         cmd += [*role_flags(role, handoff, bootstrap),
                 "--kv-transfer-ms-per-token", str(scale.kv_transfer_ms_per_token())]
-    ports = [pub, rep, *([bootstrap] if bootstrap is not None else [])]
+    if ranks > 1:
+        cmd += ["--data-parallel-size", str(ranks)]
+    ports = [pub + r for r in range(ranks)] + [rep + r for r in range(ranks)] + ([bootstrap] if bootstrap else [])
     proc = ManagedProcess.start(f"engine-{index}", cmd, port, extra_ports=ports)
-    return Engine(index, proc, events, replay, role, handoff, bootstrap)
+    return Engine(index, proc, events, replay, role, handoff, bootstrap, ranks)
 
 
 #: Starts of one engine: a free port found can be bound by another process before the
@@ -270,14 +283,14 @@ _PORT_TRIES = 3
 
 
 def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0, prefill: int = 0,
-                  handoff: str | None = None) -> list[Engine]:
-    """``count`` engines; with ``handoff``, a disaggregated fleet: the first ``prefill``
-    of them prefill engines, the rest decode engines."""
+                  handoff: str | None = None, ranks: int = 1) -> list[Engine]:
+    """``count`` engines of ``ranks`` DP ranks each; with ``handoff``, a disaggregated
+    fleet: the first ``prefill`` of them prefill engines, the rest decode engines."""
     roles = ["prefill"] * prefill + ["decode"] * (count - prefill) if handoff else ["both"] * count
     engines: list[Engine] = []
     try:
         for i, role in enumerate(roles):
-            engines.append(start_engine(i + 1, scale, speed, role=role, handoff=handoff))
+            engines.append(start_engine(i + 1, scale, speed, role=role, handoff=handoff, ranks=ranks))
         for i, e in enumerate(engines):
             for attempt in range(_PORT_TRIES):
                 try:
@@ -288,7 +301,7 @@ def start_engines(count: int, scale: Scale, speed: float, timeout: float = 60.0,
                     if not lost_port or attempt == _PORT_TRIES - 1:
                         raise
                     e.proc.stop()
-                    e = engines[i] = start_engine(e.index, scale, speed, role=e.role, handoff=e.handoff)
+                    e = engines[i] = start_engine(e.index, scale, speed, role=e.role, handoff=e.handoff, ranks=ranks)
     except BaseException:
         stop_all(e.proc for e in engines)
         raise
@@ -300,8 +313,9 @@ def kafka_env(prefix: str, extra: dict[str, str] | None = None) -> dict[str, str
 
 
 def start_bridge(engine: Engine, bootstrap: str, prefix: str) -> ManagedProcess:
+    events, replays = engine.rank_endpoints()
     cmd = [*_CLI, "worker", "--engine", "vllm", "--worker-id", str(engine.index), "--bootstrap", bootstrap,
-           "--endpoint", engine.events, "--replay-endpoint", engine.replay,
+           *(f for pub, rep in zip(events, replays, strict=True) for f in ("--endpoint", pub, "--replay-endpoint", rep)),
            "--engine-url", engine.url, "--model", MODEL, "--heartbeat-s", "1", "--metrics-port", "0",
            *role_flags(engine.role, engine.handoff, engine.bootstrap_port)]
     # A bridge serves nothing: its "port" is a placeholder the process never binds.

@@ -6,6 +6,7 @@ and on SIGTERM/SIGHUP (turned into SystemExit, so that the blocks unwind)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -43,6 +44,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that were free a moment ago (an
+    engine's DP ranks each bind its endpoint's port + its rank)."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for p in range(base + 1, base + n):
+                    held.enter_context(socket.socket()).bind((HOST, p))
+            except OSError:
+                continue
+        return base
 
 
 def _stop_all() -> None:

@@ -109,3 +109,30 @@ def test_bench_fleet_pd(kafka_bootstrap: str, router: str, handoff: str | None, 
         for row in (pd, whole):
             runs = [r["prefill_cached_share"] for r in row["runs"]]
             assert len(runs) == repeats and row["prefill_cached_share"] == round(statistics.median(runs), 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_fleet_dp(kafka_bootstrap: str) -> None:
+    """Two engines of two DP ranks each against four single-rank engines: every request
+    answered; kvstream sends each request to the rank its prediction names (what it
+    predicted cached is what the engines found cached, rank by rank), and keeps about
+    the share it keeps on single-rank engines."""
+    proc = subprocess.run(
+        [KVSTREAM, "bench", "fleet", "--dp", "2", "--engines", "4", "--traces", "agentic", "--requests", "60",
+         "--loads", "1", "--no-kill-engine", "--replayer", "sdk", "--json", "--bootstrap", kafka_bootstrap,
+         "--routers", "kvstream-ttft,vllm-router-kv_aware"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["dp"]["ranks"] == 2 and out["dp"]["engines"] == 2
+    rows = out["traces"]["agentic"]["routers"]
+    assert set(rows) == {"kvstream-ttft", "kvstream-ttft-single-rank", "vllm-router-kv_aware",
+                         "vllm-router-kv_aware-single-rank"}
+    for row in rows.values():
+        assert row["1x"]["requests"] == 60 and row["1x"]["failed"] == 0, row
+    dp, single = rows["kvstream-ttft"]["1x"], rows["kvstream-ttft-single-rank"]["1x"]
+    assert dp["prefill_cached_share"] > 0.5
+    assert dp["router_predicted_share"] == pytest.approx(dp["prefill_cached_share"], abs=0.02)
+    assert dp["prefill_cached_share"] == pytest.approx(single["prefill_cached_share"], abs=0.05)
