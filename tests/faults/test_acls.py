@@ -57,7 +57,9 @@ def _start_node(dir: Path) -> tuple[subprocess.Popen, int]:
         "num.network.threads=2", "num.io.threads=2", "log.cleaner.dedupe.buffer.size=8388608",
     ]) + "\n")
     java = ["java", "-Xmx384m", "-XX:+UseSerialGC", "-cp", kafka_classpath()]
-    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    cluster_id = "-"
+    while cluster_id.startswith("-"):  # a leading '-' reads as a flag (ops/kafka/broker.sh's rule)
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     subprocess.run(java + ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)],
                    check=True, capture_output=True, timeout=120)
     log = open(dir / "node.out", "wb")
