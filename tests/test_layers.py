@@ -30,24 +30,25 @@ ALLOWED: dict[str, set[str]] = {
     "options": set(),
     "hashing": {"_native"},
     "engine_model": set(),
-    "events": {"_native"},
+    "roles": set(),
+    "events": {"_native", "roles"},
     # 1: the router's state and decision
     "router": {"_native", "events", "hashing"},
     # 2: the settings, derived from the option dataclasses of the packages above them
     "replica.options": {"options"},
-    "worker.options": set(),
-    "gateway.options": {"gateway.errors"},
+    "worker.options": {"roles"},
+    "gateway.options": {"gateway.errors", "roles"},
     "settings": {"gateway.options", "hashing", "logs", "options", "replica.options", "router", "worker.options"},
     # 3: Kafka
     "kafka": {"logs", "settings"},
     # 4: the two sides of the log, and the emulated engine
-    "worker": {"events", "hashing", "kafka", "logs", "settings"},
-    "replica": {"events", "hashing", "kafka", "logs", "options", "router", "settings"},
+    "worker": {"events", "hashing", "kafka", "logs", "roles", "settings"},
+    "replica": {"events", "hashing", "kafka", "logs", "options", "roles", "router", "settings"},
     "emulator.errors": {"engine_model"},
-    "emulator.options": {"emulator.errors", "engine_model"},
-    "emulator": {"engine_model", "logs"},
+    "emulator.options": {"emulator.errors", "engine_model", "roles"},
+    "emulator": {"engine_model", "logs", "roles"},
     # 5: the OpenAI gateway, on the replica's facade
-    "gateway": {"_native", "events", "logs", "replica", "router"},
+    "gateway": {"_native", "events", "logs", "replica", "roles", "router"},
     # 6: what composes them: `kvstream router`, the tools, the `kvstream` command
     "serve": {"gateway", "logs", "replica", "settings"},
     "tools": {"engine_model", "events", "hashing", "kafka", "logs", "replica", "router", "settings", "worker"},

@@ -9,10 +9,11 @@ from pathlib import Path
 import click
 from aiohttp import web
 
-from kvstream.emulator.options import HANDOFFS, ROLES, EmulatorOptions, KvEventsOptions
+from kvstream.emulator.options import EmulatorOptions, KvEventsOptions
 from kvstream.engine_model.costs import CostModel
 from kvstream.engine_model.errors import EngineModelError
 from kvstream.logs import get_logger
+from kvstream.roles import Handoff, Role
 
 _log = get_logger(__name__)
 _E = EmulatorOptions()
@@ -69,9 +70,9 @@ _C = CostModel()
 @click.option("--data-parallel-rank", type=click.IntRange(min=0), default=0, show_default=True,
               help="The rank of a one-rank engine: stamped on every batch, its metrics' engine label, added to "
                    "the KV-event ports (not with --data-parallel-size).")
-@click.option("--role", type=click.Choice(ROLES), default="both", show_default=True,
+@click.option("--role", type=click.Choice([r.value for r in Role]), default="both", show_default=True,
               help="A whole engine, or one side of a disaggregated prefill/decode pair (docs/EMULATOR.md).")
-@click.option("--handoff", type=click.Choice(HANDOFFS),
+@click.option("--handoff", type=click.Choice([h.value for h in Handoff]),
               help="How the prefill side hands the KV to the decode side: vLLM's NixlConnector "
                    "(kv_transfer_params) or SGLang's bootstrap server (bootstrap_host/port/room). Required for "
                    "role prefill or decode.")

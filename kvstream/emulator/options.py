@@ -7,14 +7,8 @@ from pathlib import Path
 
 from kvstream.emulator.errors import EmulatorConfigError
 from kvstream.engine_model.costs import CostModel
+from kvstream.roles import Handoff, Role
 
-#: ``--role``: a whole engine, or one side of a disaggregated (prefill/decode) pair. Plain
-#: strings, not kvstream.events' Role: the emulator sits below the events package.
-ROLES = ("both", "prefill", "decode")
-#: ``--handoff``: how a prefill engine hands a prompt's KV to a decode engine: vLLM's
-#: NixlConnector (the router relays ``kv_transfer_params``) or SGLang's bootstrap server
-#: (the router sends both legs at once with ``bootstrap_host/port/room``).
-HANDOFFS = ("nixl", "bootstrap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +59,10 @@ class EmulatorOptions:
     #: balancing: one server per rank); stamped on its KV events and metrics, added to its
     #: KV-event ports.
     data_parallel_rank: int = 0
-    #: One of :data:`ROLES`.
+    #: ``--role`` (a Role's value): a whole engine, or one side of a disaggregated pair.
     role: str = "both"
-    #: One of :data:`HANDOFFS`: required for a prefill or decode role, refused for both.
+    #: ``--handoff`` (a Handoff's value): how a prefill engine hands a prompt's KV to a
+    #: decode engine; required for a prefill or decode role, refused for both.
     handoff: str | None = None
     #: The bootstrap server's port of a prefill engine with the bootstrap hand-off.
     bootstrap_port: int | None = None
@@ -93,10 +88,10 @@ class EmulatorOptions:
             # rather than half emulated.
             raise EmulatorConfigError(
                 "--data-parallel-rank is for a one-rank engine; with --data-parallel-size the ranks are 0 to size-1")
-        if self.role not in ROLES:
-            raise EmulatorConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.handoff is not None and self.handoff not in HANDOFFS:
-            raise EmulatorConfigError(f"handoff must be one of {', '.join(HANDOFFS)}, got {self.handoff!r}")
+        if self.role not in tuple(Role):
+            raise EmulatorConfigError(f"role must be one of {', '.join(Role)}, got {self.role!r}")
+        if self.handoff is not None and self.handoff not in tuple(Handoff):
+            raise EmulatorConfigError(f"handoff must be one of {', '.join(Handoff)}, got {self.handoff!r}")
         if self.role == "both" and self.handoff is not None:
             raise EmulatorConfigError("a handoff protocol (--handoff) is for role prefill or decode, not role both")
         if self.role != "both" and self.handoff is None:

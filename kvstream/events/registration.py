@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -23,6 +22,7 @@ from kvstream.events.codec import AvroCodec
 from kvstream.events.errors import EventError, RegistrationError
 from kvstream.events.model import U64_MAX
 from kvstream.events.wire import to_long, to_u64
+from kvstream.roles import Handoff, Role
 
 WORKER_REGISTRATION = "kvstream.workers.WorkerRegistration"
 _U32_MAX = (1 << 32) - 1
@@ -30,28 +30,6 @@ _PORT_MAX = 65535
 #: Longest model or adapter name accepted (OpenAI ids are short; this bounds a record).
 MAX_NAME_CHARS = 256
 MAX_NAMES = 1024
-
-
-class Role(StrEnum):
-    """What a worker's engine does with a request (issue 34): all of it, or one leg of a
-    disaggregated request, as vLLM's ``kv_role`` and SGLang's ``--disaggregation-mode``."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-class Handoff(StrEnum):
-    """How a disaggregated request's KV goes from its prefill engine to its decode engine,
-    which decides the two legs' bodies (kvstream.gateway.disagg)."""
-
-    #: vLLM's NixlConnector: the prefill leg first (``kv_transfer_params``
-    #: ``do_remote_decode``, one token, not streamed); its answer's ``kv_transfer_params``
-    #: go with the decode leg.
-    NIXL = "nixl"
-    #: SGLang's bootstrap: both legs at once, each with the prefill engine's
-    #: ``bootstrap_host``/``bootstrap_port`` and one ``bootstrap_room``.
-    BOOTSTRAP = "bootstrap"
 
 
 def normalize_url(url: str) -> str:

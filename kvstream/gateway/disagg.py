@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from kvstream.events.registration import Handoff, Role
 from kvstream.gateway.errors import unavailable
 from kvstream.gateway.seams import WorkerEndpoint
+from kvstream.roles import Handoff, Role
 
 #: What the prefill leg of a NixlConnector request carries: "decode elsewhere", the rest
 #: filled in by the prefill engine's answer (vLLM's proxy sends these keys, all null).

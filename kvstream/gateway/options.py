@@ -12,12 +12,9 @@ from typing import Literal
 from pydantic import ConfigDict
 
 from kvstream.gateway.errors import OptionsError
+from kvstream.roles import Handoff, Role
 
 _U64_END = 1 << 64
-#: The values of kvstream.events.registration's Role and Handoff (this layer cannot
-#: import them; kvstream.gateway.static converts, and checks their rules there).
-ROLES = ("both", "prefill", "decode")
-HANDOFFS = ("nixl", "bootstrap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +37,8 @@ class StaticWorker:
     #: confirmed by events; what routes an engine without events); unknown: [router]
     #: expected_blocks.
     kv_capacity_blocks: int | None = None
-    #: ``both``, or one leg of a disaggregated request: ``prefill`` or ``decode`` (issue 34).
+    #: ``both``, or one leg of a disaggregated request: ``prefill`` or ``decode`` (issue 34;
+    #: a Role's value; kvstream.gateway.static checks the rules of the three settings).
     role: str = "both"
     #: Prefill or decode only: ``nixl`` (vLLM's NixlConnector) or ``bootstrap`` (SGLang).
     handoff: str | None = None
@@ -60,10 +58,10 @@ class StaticWorker:
             raise OptionsError(f"worker {self.id}: kv_capacity_blocks must be >= 0, got {self.kv_capacity_blocks}")
         if self.api_key is not None and not self.api_key.strip():
             raise OptionsError(f"worker {self.id}: api_key is empty")
-        if self.role not in ROLES:
-            raise OptionsError(f"worker {self.id}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.handoff is not None and self.handoff not in HANDOFFS:
-            raise OptionsError(f"worker {self.id}: handoff must be one of {', '.join(HANDOFFS)}, got {self.handoff!r}")
+        if self.role not in tuple(Role):
+            raise OptionsError(f"worker {self.id}: role must be one of {', '.join(Role)}, got {self.role!r}")
+        if self.handoff is not None and self.handoff not in tuple(Handoff):
+            raise OptionsError(f"worker {self.id}: handoff must be one of {', '.join(Handoff)}, got {self.handoff!r}")
 
 
 #: Bytes of token ids and text a model's prefix cache holds by default.

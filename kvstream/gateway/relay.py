@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from kvstream.events.registration import Handoff
 from kvstream.gateway import disagg
 from kvstream.gateway.errors import (
     ApiError,
@@ -38,6 +37,7 @@ from kvstream.gateway.request_body import Endpoint, OpenAIRequest
 from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.gateway.upstream import Response
 from kvstream.logs import get_logger
+from kvstream.roles import Handoff
 from kvstream.router.core import PromptTokens
 from kvstream.router.errors import NoEligibleWorkerError
 from kvstream.router.index import WorkerKey

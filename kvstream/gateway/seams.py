@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvstream.events.registration import Handoff, Role
+from kvstream.roles import Handoff, Role
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvstream.events.errors import RegistrationError
-from kvstream.events.registration import Handoff, Registration, Role, check_role
+from kvstream.events.registration import Registration, check_role
 from kvstream.gateway.errors import OptionsError
 from kvstream.gateway.options import StaticWorker
 from kvstream.gateway.seams import WorkerDirectory, WorkerEndpoint
 from kvstream.replica.registry import WorkerRegistry
+from kvstream.roles import Handoff, Role
 
 
 class StaticDirectory:

@@ -19,8 +19,8 @@ from typing import Literal
 
 from prometheus_client import Gauge
 
-from kvstream.events.registration import Role
 from kvstream.logs import get_logger
+from kvstream.roles import Role
 from kvstream.router import Router
 
 log = get_logger(__name__)

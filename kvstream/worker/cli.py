@@ -11,9 +11,10 @@ from pathlib import Path
 import click
 
 from kvstream.events.errors import RegistrationError
-from kvstream.events.registration import Handoff, Registration, Role, normalize_url
+from kvstream.events.registration import Registration, normalize_url
 from kvstream.kafka.errors import KafkaConfigError
 from kvstream.logs import configure_logging, get_logger, logging_flags
+from kvstream.roles import Handoff, Role
 from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.worker.announce import WorkerAnnouncer
 from kvstream.worker.consolidator import Mode

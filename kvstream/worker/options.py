@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field
+
+from kvstream.roles import Handoff, Role
 
 
 class Mode(str, Enum):
@@ -51,13 +53,12 @@ class WorkerOptions:
     offload_blocks_per_chunk: Annotated[int, Field(ge=1)] = 1
     #: What the engine does with a request (issue 34): ``both`` (all of it), or one leg of a
     #: disaggregated one, ``prefill`` or ``decode`` (vLLM's ``kv_role``, SGLang's
-    #: ``--disaggregation-mode``). The values of kvstream.events.registration.Role (this
-    #: layer cannot import it); the rules of the three settings are
+    #: ``--disaggregation-mode``). The rules of the three settings are
     #: kvstream.events.registration.check_role's.
-    role: Literal["both", "prefill", "decode"] = "both"
+    role: Role = Role.BOTH
     #: Prefill or decode only: how the KV goes from the prefill engine to the decode engine,
-    #: ``nixl`` (vLLM's NixlConnector) or ``bootstrap`` (SGLang; Handoff's values).
-    handoff: Literal["nixl", "bootstrap"] | None = None
+    #: ``nixl`` (vLLM's NixlConnector) or ``bootstrap`` (SGLang).
+    handoff: Handoff | None = None
     #: A ``bootstrap`` prefill engine's ``--disaggregation-bootstrap-port``.
     bootstrap_port: int | None = None
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kvstream.events.model import U64_MAX, Cleared, EventBatch, Removed, Stored, Tier
-from kvstream.events.registration import Handoff, Registration, Role
+from kvstream.events.registration import Registration
+from kvstream.roles import Handoff, Role
 
 u64 = st.one_of(st.sampled_from([0, 1, (1 << 63) - 1, 1 << 63, U64_MAX]), st.integers(0, U64_MAX))
 u32 = st.one_of(st.sampled_from([0, (1 << 32) - 1]), st.integers(0, (1 << 32) - 1))

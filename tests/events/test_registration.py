@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from kvstream.events.codec import HEADER_LEN, AvroCodec
 from kvstream.events.errors import RegistrationError
 from kvstream.events.model import U64_MAX
-from kvstream.events.registration import WORKER_REGISTRATION, Handoff, Registration, RegistrationCodec, Role
+from kvstream.events.registration import WORKER_REGISTRATION, Registration, RegistrationCodec
 from kvstream.events.schemas import SchemaStore
+from kvstream.roles import Handoff, Role
 from tests.events.strategies import registrations
 
 CODEC = RegistrationCodec()

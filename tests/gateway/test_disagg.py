@@ -16,11 +16,11 @@ import pytest
 from engines.conftest import free_ports
 from engines.engines import wheel_source
 
-from kvstream.events.registration import Handoff, Role
 from kvstream.gateway import disagg
 from kvstream.gateway.errors import ApiError
 from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.replica.replica import Replica
+from kvstream.roles import Handoff, Role
 from tests.emulator.conftest import Emulator, start_emulator, stop_emulator
 from tests.gateway.fleet import MODEL, Served, load_of, serving, wait_until
 from tests.gateway.test_relay import metric

@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from kvstream.events.registration import Handoff, Registration, RegistrationCodec, Role
+from kvstream.events.registration import Registration, RegistrationCodec
 from kvstream.events.wire import worker_key
 from kvstream.gateway.errors import OptionsError
 from kvstream.gateway.options import StaticWorker
 from kvstream.gateway.static import RegisteredDirectory, StaticDirectory, endpoint_of
 from kvstream.replica.registry import WorkerRegistry
+from kvstream.roles import Handoff, Role
 from tests.events.strategies import registration
 
 CODEC = RegistrationCodec()

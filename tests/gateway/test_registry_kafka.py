@@ -17,12 +17,13 @@ from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 
 from kvstream.events.codec import AvroCodec
-from kvstream.events.registration import Handoff, Registration, RegistrationCodec, Role
+from kvstream.events.registration import Registration, RegistrationCodec
 from kvstream.events.wire import worker_key
 from kvstream.gateway.static import RegisteredDirectory
 from kvstream.kafka.config import producer_config
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.service import create_app
+from kvstream.roles import Handoff, Role
 from kvstream.settings import Settings
 
 KVSTREAM = Path(sys.executable).parent / "kvstream"

@@ -143,18 +143,3 @@ def test_a_worker_flag_is_held_to_its_setting_s_bounds() -> None:
     assert out.exit_code == 1, out.output
     assert "`worker.lease_ms`: Input should be greater than or equal to 1 (got 0)" in out.output
     assert "`worker.checkpoint_s`: Input should be greater than 0 (got 0.0)" in out.output
-
-
-def test_the_role_names_of_the_worker_settings_are_the_registrations() -> None:
-    """worker.options and gateway.options cannot import kvstream.events (tests/test_layers.py):
-    their names of roles and hand-offs must stay Role's and Handoff's values."""
-    from typing import get_args, get_type_hints
-
-    from kvstream.events.registration import Handoff, Role
-    from kvstream.gateway.options import HANDOFFS, ROLES
-    from kvstream.worker.options import WorkerOptions
-
-    hints = get_type_hints(WorkerOptions)
-    assert get_args(hints["role"]) == ROLES == tuple(Role)
-    handoff, none = get_args(hints["handoff"])
-    assert get_args(handoff) == HANDOFFS == tuple(Handoff) and none is type(None)
