@@ -173,11 +173,11 @@ class _Fleet:
             w.publisher.close()
 
 
-def _fleet_main(spec: FleetSpec, conn: Connection) -> None:
+def _fleet_main(factory: Callable[[Any], Any], spec: Any, conn: Connection) -> None:
     """Child process: run the fleet's commands from the parent until told to stop."""
     fleet = None
     try:
-        fleet = _Fleet(spec)
+        fleet = factory(spec)
         conn.send(("ok", None))
         while True:
             cmd, *args = conn.recv()
@@ -194,12 +194,15 @@ def _fleet_main(spec: FleetSpec, conn: Connection) -> None:
 
 class FleetProcess:
     """The publishers in a child process (spawned: the parent holds Kafka clients'
-    threads, which must not be forked)."""
+    threads, which must not be forked): ``factory(spec)`` there (a module-level class,
+    default the pipeline's fleet), whose methods :meth:`call` runs; it has a ``close``."""
 
-    def __init__(self, spec: FleetSpec) -> None:
+    def __init__(self, spec: Any, factory: Callable[[Any], Any] = _Fleet) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_fleet_main, args=(spec, child), name="kvstream-bench-fleet", daemon=True)
+        self._proc = ctx.Process(
+            target=_fleet_main, args=(factory, spec, child), name="kvstream-bench-fleet", daemon=True
+        )
         self._proc.start()
         child.close()
         self._answer(300)
@@ -233,12 +236,14 @@ class FleetProcess:
 
 class ApplyClock:
     """Wraps a fold's ``apply_record`` to note, per record, its timestamp and the wall
-    time at which applying it finished (only while ``on``)."""
+    time at which applying it finished, and to count the events it applied (only while
+    ``on``)."""
 
     def __init__(self, apply: Callable[..., Outcome]) -> None:
         self._apply = apply
         self.on = False
         self.samples: list[tuple[int, float]] = []
+        self.applied_events = 0
 
     def __call__(
         self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool = False,
@@ -247,6 +252,7 @@ class ApplyClock:
         out = self._apply(partition, offset, timestamp_ms, value, is_tick, key, problem)
         if self.on and not is_tick:
             self.samples.append((timestamp_ms, time.time()))
+            self.applied_events += out.applied_events
         return out
 
 

@@ -1,0 +1,601 @@
+"""``kvstream bench fleet-scale``: a fleet of ``--workers`` workers' KV event streams,
+played live into a multi-partition topic on a real broker, folded by one real replica
+while routing decisions are timed against it (issue 35, item 3; docs/SCALE.md).
+
+Each worker is a tiered pool (DESIGN.md §8) as the routers see it through a passthrough
+consolidator (§3): every request stores a fresh chain of ``request_blocks`` blocks on the
+device (G1), the write-through offload stores it on host (G2) and, on its first sighting,
+on disk (G3); a tier over its capacity evicts its least recently stored chain first,
+leaves before parents. At steady state each new block is therefore 6 block events
+(stored and removed on each of three tiers): a worker prefilling ``new_tokens_per_s``
+uncached tokens in blocks of ``block_size`` offers ``6 * new_tokens_per_s / block_size``
+block events/s (8,000 tokens/s, blocks of 16: 3,000/s; the arithmetic is in
+docs/SCALE.md). Workers restart at ``--restarts-per-s`` across the fleet: a new epoch
+that opens with ``cleared`` and empty tiers. The pool names blocks by sequence hash on
+every tier, so a passthrough consolidator forwards them unchanged: the streams go
+straight into the publisher's batcher (:class:`~kvstream.worker.batcher.EventBatcher`,
+cut every linger of simulated time, at the publisher's limits) and the project's codec,
+which is exactly what a worker's publisher writes.
+
+The load runs in a child process (:class:`bench.pipeline.FleetProcess`). The fleet grows
+in steps (``--steps``, default fractions of ``--workers`` from 1/16 to 1): at each step the
+workers that join publish their full state as a resync does (``cleared``, then their
+tiers filled: untimed), then every active worker plays ``--seconds`` of its stream,
+generated first and produced paced, each linger's records at their moment. Per step:
+offered block events/s (as produced) against the target, folded block events/s (from the
+first record produced to the moment the replica has read the last), lag (per record, the
+moment the fold applied it minus the record's timestamp), the route latency of
+``replica.route`` called ``--route-rate`` times a second meanwhile, RSS and blocks held.
+A step *follows* when its lag p99 is at most ``--lag-bound-ms`` and the replica folded
+at least 95 % of the offered rate; ``workers_followed`` is the largest such step whose
+generator kept 95 % of real time's pace. After a step that does not follow, the
+steps before the last are skipped. At the end the replica's index must equal what the
+workers hold, hash for hash (``index_digest``), with nothing rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import click
+import numpy as np
+from confluent_kafka import Producer
+
+from kvstream.events.codec import EventCodec
+from kvstream.events.model import EventBatch, Tier
+from kvstream.events.wire import worker_key
+from kvstream.hashing import block_hashes
+from kvstream.kafka.config import producer_config
+from kvstream.replica.replica import Replica
+from kvstream.router.index import WorkerKey
+from kvstream.settings import Settings, TopicSettings
+from kvstream.worker.announce import register_synthetic
+from kvstream.worker.batcher import EventBatcher
+from kvstream.worker.options import DEFAULTS
+from kvstream.worker.publisher import PublisherOptions
+from bench.common import emit, json_option, percentiles_us, rss_bytes
+from bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, produce_records, wait_applied, wait_settled
+from bench.pipeline import ApplyClock, FleetProcess
+from bench.restart import LEASE_MS, replica_options
+
+#: The tiers a worker's pool offloads through, in order (DESIGN.md §8).
+TIERS = (Tier.DEVICE, Tier.HOST_PINNED, Tier.DISK)
+#: Token ids are drawn below a 152k vocabulary (the hashes do not depend on it).
+VOCAB = 152_000
+#: Share of the offered rate the replica must fold, and of real time the generator must
+#: keep pace with, for a step to count.
+KEEP_UP = 0.95
+#: The publisher's batch limits.
+_PUBLISHER = PublisherOptions(worker_id=0)
+#: Prompts handed to the routing thread per step.
+ROUTE_PROMPTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProfile:
+    """One worker's traffic and tiers; the defaults are scaled-down tiers (steady state
+    within a short run) at a 70B model's realistic rate (docs/SCALE.md)."""
+
+    block_size: int = 16
+    #: Uncached prompt tokens the worker prefills per second (new blocks, 16 each).
+    new_tokens_per_s: float = 8_000.0
+    #: New blocks a request stores (a chain from the root; 512 tokens).
+    request_blocks: int = 32
+    device_blocks: int = 128
+    host_blocks: int = 640
+    disk_blocks: int = 2_560
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.request_blocks < 1 or self.new_tokens_per_s <= 0:
+            raise click.BadParameter("block size, request blocks and new tokens/s must be positive")
+        caps = (self.device_blocks, self.host_blocks, self.disk_blocks)
+        if min(caps) < self.request_blocks:
+            raise click.BadParameter(f"every tier must hold at least one request ({self.request_blocks} blocks): {caps}")
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.new_tokens_per_s / self.block_size / self.request_blocks
+
+    @property
+    def events_per_s(self) -> float:
+        """Block events/s at steady state: each new block stored and evicted on 3 tiers."""
+        return 2 * len(TIERS) * self.new_tokens_per_s / self.block_size
+
+    def capacity(self, tier: Tier) -> int:
+        return {Tier.DEVICE: self.device_blocks, Tier.HOST_PINNED: self.host_blocks, Tier.DISK: self.disk_blocks}[tier]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    bootstrap: str
+    prefix: str
+    partitions: int
+    profile: WorkerProfile
+    seconds: float
+    restarts_per_s: float
+    seed: int
+
+
+class _Chain:
+    __slots__ = ("seqs", "local", "tokens")
+
+    def __init__(self, seqs: list[int], local: list[int], tokens: np.ndarray) -> None:
+        self.seqs, self.local, self.tokens = seqs, local, tokens
+
+
+class TieredWorker:
+    """One worker's pool as its passthrough consolidator publishes it, into ``batcher``."""
+
+    def __init__(self, worker_id: int, profile: WorkerProfile, seed: int, batcher: EventBatcher) -> None:
+        self.worker_id = worker_id
+        self.profile = profile
+        self.rng = np.random.default_rng([seed, worker_id])
+        self.batcher = batcher
+        self.tiers: dict[Tier, deque[_Chain]] = {t: deque() for t in TIERS}
+        self.held = dict.fromkeys(TIERS, 0)
+        self.epoch = 0
+        #: Simulated time of the next request.
+        self.next_at = 0.0
+
+    def restart(self, fill: bool) -> int:
+        """A new incarnation (``cleared``, empty tiers); ``fill``: then its tiers full,
+        published as a worker answering a resync publishes its state (each tier's chains,
+        no evictions). Returns the block events."""
+        self.epoch += 1
+        self.batcher.start_epoch(self.epoch)
+        for t in TIERS:
+            self.tiers[t].clear()
+            self.held[t] = 0
+        if not fill:
+            return 0
+        p = self.profile
+        chains = [self._chain() for _ in range(p.disk_blocks // p.request_blocks)]
+        # The newest chains are on the upper tiers too.
+        return sum(self._store(t, c) for t in TIERS for c in chains[-(p.capacity(t) // p.request_blocks):])
+
+    def request(self) -> int:
+        """A request's fresh chain stored on every tier (write-through); returns the
+        block events (stores and the evictions they caused)."""
+        chain = self._chain()
+        return sum(self._store(t, chain) for t in TIERS)
+
+    def _chain(self) -> _Chain:
+        p = self.profile
+        tokens = self.rng.integers(0, VOCAB, p.request_blocks * p.block_size, dtype=np.uint32)
+        local, seqs = block_hashes(tokens.tolist(), p.block_size)
+        return _Chain(seqs, local, tokens)
+
+    def _store(self, tier: Tier, chain: _Chain) -> int:
+        """Store ``chain`` on ``tier``, evicting its oldest chains first as needed;
+        returns the block events."""
+        queue = self.tiers[tier]
+        n = len(chain.seqs)
+        events = n
+        while self.held[tier] + n > self.profile.capacity(tier):
+            old = queue.popleft()
+            self.batcher.removed(0, tier, old.seqs[::-1])  # leaves before parents
+            self.held[tier] -= len(old.seqs)
+            events += len(old.seqs)
+        # The batcher owns the lists it is given.
+        self.batcher.stored(0, tier, None, list(chain.seqs), list(chain.local))
+        queue.append(chain)
+        self.held[tier] += n
+        return events
+
+
+class FleetLoad:
+    """The fleet's streams as records: deterministic given the spec (the test regenerates
+    them to fold with the reference), no I/O."""
+
+    def __init__(self, spec: LoadSpec) -> None:
+        self.spec = spec
+        self.codec = EventCodec()
+        self.workers: list[TieredWorker] = []
+        self.rng = np.random.default_rng([spec.seed, 0])
+        # Prompts draw from their own generator: asking for them leaves the streams as
+        # they are (the test regenerates the streams without asking).
+        self._prompt_rng = np.random.default_rng([spec.seed, 0, 1])
+        #: Simulated seconds played; one tick is the publisher's linger.
+        self.now = 0.0
+        self.tick_s = DEFAULTS.linger_ms / 1000
+        self._out: list[tuple[int, bytes]] = []
+        #: Router events written into records so far.
+        self.events = 0
+
+    def _batcher(self, wid: int) -> EventBatcher:
+        def emit_batch(batch: EventBatch, _blocks: int) -> None:
+            self._out.append((batch.worker_id, self.codec.encode(batch)))
+            self.events += len(batch.events)
+
+        return EventBatcher(
+            wid, LEASE_MS, _PUBLISHER.max_batch_events, _PUBLISHER.max_batch_blocks, emit_batch, clock=lambda: self.now
+        )
+
+    def _cut(self, workers: Sequence[TieredWorker]) -> list[tuple[int, bytes]]:
+        for w in workers:
+            w.batcher.cut()
+        out, self._out = self._out, []
+        return out
+
+    def join(self, n_workers: int) -> tuple[list[tuple[int, bytes]], int]:
+        """Workers up to ``n_workers`` join with full tiers: (records, block events)."""
+        spec = self.spec
+        new = []
+        for wid in range(len(self.workers) + 1, n_workers + 1):
+            w = TieredWorker(wid, spec.profile, spec.seed, self._batcher(wid))
+            # Spread the workers' requests over a request's interval.
+            w.next_at = self.now + float(self.rng.uniform(0, 1 / spec.profile.requests_per_s))
+            new.append(w)
+        self.workers.extend(new)
+        events = 0
+        for w in new:
+            events += w.restart(fill=True)
+        return self._cut(new), events
+
+    def play(self) -> tuple[list[list[tuple[int, bytes]]], dict[str, int]]:
+        """``spec.seconds`` of every worker's stream: records per tick, and counts."""
+        spec = self.spec
+        n_ticks = max(1, round(spec.seconds / self.tick_s))
+        start = self.now
+        interval = 1 / spec.profile.requests_per_s
+        due: list[list[TieredWorker]] = [[] for _ in range(n_ticks)]
+        for w in self.workers:
+            while w.next_at < start + n_ticks * self.tick_s:
+                due[int((w.next_at - start) / self.tick_s)].append(w)
+                w.next_at += interval
+        restarts: list[list[TieredWorker]] = [[] for _ in range(n_ticks)]
+        n_restarts = int(self.rng.poisson(spec.restarts_per_s * n_ticks * self.tick_s))
+        for _ in range(n_restarts):
+            restarts[int(self.rng.integers(n_ticks))].append(self.workers[int(self.rng.integers(len(self.workers)))])
+        ticks = []
+        events = 0
+        for k in range(n_ticks):
+            self.now = start + k * self.tick_s
+            for w in restarts[k]:
+                w.restart(fill=False)
+            for w in due[k]:
+                events += w.request()
+            ticks.append(self._cut([*restarts[k], *due[k]]))
+        self.now = start + n_ticks * self.tick_s
+        return ticks, {"block_events": events, "restarts": n_restarts}
+
+    def held(self) -> dict[int, dict[str, int]]:
+        return {w.worker_id: {t.value: n for t, n in w.held.items()} for w in self.workers}
+
+    def prompts(self, n: int) -> list[list[int]]:
+        """``n`` prompts, each a chain on some worker's device and 4 blocks more."""
+        chains = [c for w in self.workers for c in w.tiers[Tier.DEVICE]]
+        if not chains:
+            return []
+        rng, bs = self._prompt_rng, self.spec.profile.block_size
+        return [
+            [*chains[int(rng.integers(len(chains)))].tokens.tolist(), *rng.integers(0, VOCAB, 4 * bs).tolist()]
+            for _ in range(n)
+        ]
+
+
+class LoadProcess:
+    """:class:`FleetLoad` with a producer, run in the child process."""
+
+    def __init__(self, spec: LoadSpec) -> None:
+        self.load = FleetLoad(spec)
+        self.settings = Settings(
+            bootstrap=spec.bootstrap, topics=TopicSettings(prefix=spec.prefix, events_partitions=spec.partitions)
+        )
+        self.topic = self.settings.topics.name("events")
+        self.producer = Producer(producer_config(self.settings, **{"client.id": "kvstream-bench-fleet-scale"}))
+        self.failures: list[str] = []
+
+    def join(self, n_workers: int) -> dict[str, Any]:
+        before = self.load.events
+        records, events = self.load.join(n_workers)
+        produce_records(self.settings, records, desc=f"{n_workers} workers' state")
+        return {"block_events": events, "events": self.load.events - before, "prompts": self.load.prompts(ROUTE_PROMPTS)}
+
+    def _delivered(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self.failures.append(str(err))
+
+    def play(self) -> dict[str, Any]:
+        """Generate the step (untimed), then produce each tick's records at its moment."""
+        before = self.load.events
+        ticks, counts = self.load.play()
+        n_events = self.load.events - before
+        produce, poll = self.producer.produce, self.producer.poll
+        tick_s = self.load.tick_s
+        t0 = time.time()
+        for k, records in enumerate(ticks):
+            wait = t0 + k * tick_s - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            for wid, value in records:
+                while True:
+                    try:
+                        produce(self.topic, value=value, key=worker_key(wid), on_delivery=self._delivered)
+                        break
+                    except BufferError:  # the client's queue is full: let deliveries make room
+                        poll(0.01)
+            poll(0)
+        t1 = time.time()
+        if self.producer.flush(120) or self.failures:
+            raise RuntimeError(f"Kafka did not acknowledge every record: {self.failures[:1]}")
+        return {
+            **counts, "events": n_events, "records": sum(map(len, ticks)), "t0": t0, "t1": t1,
+            "played_s": len(ticks) * tick_s,
+        }
+
+    def held(self) -> dict[int, dict[str, int]]:
+        return self.load.held()
+
+    def close(self) -> None:
+        self.producer.flush(30)
+
+
+def index_digest(held: Mapping[tuple[int, int, str], Sequence[int]]) -> str:
+    """SHA-256 over every (worker, rank, tier)'s held block hashes, sorted: two indexes
+    with the same digest hold the same blocks."""
+    h = hashlib.sha256()
+    for key in sorted(k for k, v in held.items() if len(v)):
+        h.update(repr(key).encode())
+        h.update(np.sort(np.asarray(held[key], dtype=np.uint64)).tobytes())
+    return h.hexdigest()
+
+
+def replica_held(replica: Replica) -> dict[tuple[int, int, str], list[int]]:
+    with replica.lock:
+        router = replica.router
+        return {
+            (k.worker_id, k.dp_rank, t.value): list(router.blocks(WorkerKey(k.worker_id, k.dp_rank), t))
+            for k, tiers in router.tree_sizes().items()
+            for t, n in tiers.items()
+            if n
+        }
+
+
+class RouteClock:
+    """Routes a prompt ``rate`` times a second on its own thread (the replica's HTTP
+    server routes in its process too), noting when each ended and how long it took."""
+
+    def __init__(self, replica: Replica, rate: float) -> None:
+        self.replica, self.interval = replica, 1 / rate
+        self.prompts: list[list[int]] = []
+        self.samples: list[tuple[float, int]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-route", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        k = 0
+        clock = time.perf_counter_ns
+        while not self._stop.wait(self.interval):
+            prompts = self.prompts
+            if not prompts:
+                continue
+            t0 = clock()
+            try:
+                self.replica.route(prompts[k % len(prompts)], query_only=True)
+            except Exception:  # counted: a route that fails is a finding, not a crash
+                self.errors += 1
+                continue
+            self.samples.append((time.time(), clock() - t0))
+            k += 1
+
+    def window(self, t0: float, t1: float) -> list[int]:
+        return [ns for t, ns in self.samples if t0 <= t <= t1]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+#: Default steps, as fractions of ``--workers``: finer where one replica's limit was found
+#: on a 2-core machine (between a quarter and a half of 1,000 workers).
+STEP_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
+
+
+def default_steps(n_workers: int) -> list[int]:
+    return sorted({max(1, round(n_workers * f)) for f in STEP_FRACTIONS})
+
+
+def parse_steps(spec: str | None, n_workers: int) -> list[int]:
+    if n_workers < 1:
+        raise click.BadParameter("--workers must be at least 1")
+    if not spec:
+        return default_steps(n_workers)
+    try:
+        steps = sorted({int(s) for s in spec.split(",") if s.strip()})
+    except ValueError:
+        raise click.BadParameter(f"--steps takes worker counts separated by commas, not {spec!r}") from None
+    if not steps or steps[0] < 1 or steps[-1] != n_workers:
+        raise click.BadParameter(f"--steps must be positive worker counts ending at --workers ({n_workers})")
+    return steps
+
+
+_PROFILE = WorkerProfile()
+
+
+@click.command("fleet-scale")
+@bootstrap_option
+@click.option("--workers", "n_workers", default=1_000, show_default=True, help="Workers in the fleet (the last step).")
+@click.option("--steps", default=None, help="Worker counts of the steps, comma-separated, ending at --workers [default: N/16, N/8, N/4, 3N/8, N/2, 3N/4, N].")
+@click.option("--seconds", default=5.0, show_default=True, help="Seconds each step plays.")
+@click.option("--new-tokens-per-s", default=_PROFILE.new_tokens_per_s, show_default=True, help="Uncached prompt tokens a worker prefills per second.")
+@click.option("--block-size", default=_PROFILE.block_size, show_default=True)
+@click.option("--request-blocks", default=_PROFILE.request_blocks, show_default=True, help="New blocks per request.")
+@click.option("--device-blocks", default=_PROFILE.device_blocks, show_default=True, help="G1 capacity per worker.")
+@click.option("--host-blocks", default=_PROFILE.host_blocks, show_default=True, help="G2 capacity per worker.")
+@click.option("--disk-blocks", default=_PROFILE.disk_blocks, show_default=True, help="G3 capacity per worker.")
+@click.option("--restarts-per-s", default=0.5, show_default=True, help="Worker restarts per second across the fleet.")
+@click.option("--partitions", default=16, show_default=True, help="Partitions of the events topic.")
+@click.option("--route-rate", default=200.0, show_default=True, help="Routing decisions per second during the steps.")
+@click.option("--lag-bound-ms", default=1_000.0, show_default=True, help="Lag p99 at most this for a step to count as followed.")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds the replica may take to catch up after a step.")
+@click.option("--seed", default=0, show_default=True)
+@json_option
+def fleet_scale_bench(
+    bootstrap: str | None, n_workers: int, steps: str | None, seconds: float, new_tokens_per_s: float,
+    block_size: int, request_blocks: int, device_blocks: int, host_blocks: int, disk_blocks: int,
+    restarts_per_s: float, partitions: int, route_rate: float, lag_bound_ms: float, timeout: float, seed: int,
+    as_json: bool,
+) -> None:
+    """A fleet's tiered KV event streams live into one replica: events/s offered and
+    folded, lag p99, route p99, RSS, and how many workers it follows."""
+    step_list = parse_steps(steps, n_workers)
+    profile = WorkerProfile(block_size, new_tokens_per_s, request_blocks, device_blocks, host_blocks, disk_blocks)
+    if seconds <= 0 or partitions < 1 or route_rate <= 0 or restarts_per_s < 0 or lag_bound_ms <= 0:
+        raise click.BadParameter("--seconds, --partitions, --route-rate, --lag-bound-ms must be positive, --restarts-per-s >= 0")
+    load_avg = [os.getloadavg()[0]]
+    with kafka_env(bootstrap, events_partitions=partitions) as settings:
+        register_synthetic(settings, range(1, n_workers + 1), block_size)  # routers admit registered workers only
+        spec = LoadSpec(settings.bootstrap or "", settings.topics.prefix, partitions, profile, seconds, restarts_per_s, seed)
+        click.echo(f"starting the load generator and a replica ({n_workers} workers at {profile.events_per_s:,.0f} block events/s each)...", err=True)
+        load = FleetProcess(spec, LoadProcess)
+        try:
+            result = _run(settings, load, step_list, profile, route_rate, lag_bound_ms, timeout)
+        finally:
+            load.close()
+    load_avg.append(os.getloadavg()[0])
+    emit(
+        {
+            "bench": "fleet-scale",
+            "workers": n_workers,
+            "per_worker_block_events_per_s": profile.events_per_s,
+            "target_block_events_per_s": round(profile.events_per_s * n_workers),
+            "profile": asdict(profile),
+            "seconds_per_step": seconds,
+            "partitions": partitions,
+            "restarts_per_s": restarts_per_s,
+            "lag_bound_ms": lag_bound_ms,
+            "seed": seed,
+            **result,
+            "load_average_1m": load_avg,
+        },
+        as_json,
+    )
+
+
+def _run(
+    settings: Settings, load: FleetProcess, steps: list[int], profile: WorkerProfile, route_rate: float,
+    lag_bound_ms: float, timeout: float,
+) -> dict[str, Any]:
+    replica = Replica(settings, replica_options(None))
+    clock = ApplyClock(replica.fold.apply_record)
+    replica.fold.apply_record = clock  # type: ignore[method-assign]
+    replica.start()
+    router = RouteClock(replica, route_rate)
+    rows: list[dict[str, Any]] = []
+    played: list[int] = []
+    try:
+        wait_settled(replica, settings, timeout, "replica reading the empty log")
+        router.start()
+        totals = {"events": 0, "applied": 0}
+        for n in steps:
+            if rows and not rows[-1]["followed"] and n != steps[-1]:
+                continue  # past what one replica follows: go to the whole fleet
+            clock.on = True
+            joined = load.call("join", n, timeout=timeout)
+            wait_applied(replica, high_watermarks(settings), timeout, f"{n} workers joining")
+            router.prompts = joined["prompts"]
+            clock.samples = []
+            click.echo(f"{n} workers: offering {n * profile.events_per_s:,.0f} block events/s...", err=True)
+            step = load.call("play", timeout=timeout)
+            done_at = wait_applied(replica, high_watermarks(settings), timeout, f"replica folding {n} workers")
+            clock.on = False
+            totals["events"] += joined["events"] + step["events"]
+            totals["applied"] = clock.applied_events
+            played.append(n)
+            rows.append(_step_row(n, step, done_at, clock, router, replica, profile, lag_bound_ms))
+            click.echo(f"  {_brief(rows[-1])}", err=True)
+        held = load.call("held", timeout=timeout)
+        got = replica_held(replica)
+        sizes: dict[tuple[int, str], int] = {}
+        for (wid, _rank, tier), hashes in got.items():
+            sizes[(wid, tier)] = len(hashes)
+        want = {(wid, tier): n for wid, tiers in held.items() for tier, n in tiers.items() if n}
+        if sizes != want:
+            raise click.ClickException(f"the index holds {sum(sizes.values())} blocks, the workers {sum(want.values())}")
+        with replica.lock:
+            rejected = {k: v for k, v in replica.fold.rejections().items() if v}
+        if rejected:
+            raise click.ClickException(f"events rejected or skipped: {rejected}")
+    finally:
+        router.stop()
+        replica.stop()
+    followed = [r["workers"] for r in rows if r["followed"] and r["generator_pace"] >= KEEP_UP]
+    last = rows[-1]
+    return {
+        "steps_played": played,
+        "steps": rows,
+        "workers_followed": max(followed, default=0),
+        "offered_block_events_per_s": last["offered_block_events_per_s"],
+        "folded_block_events_per_s": last["folded_block_events_per_s"],
+        "lag_p99_ms": last["lag_p99_ms"],
+        "route_p99_us": last["route_p99_us"],
+        "rss_bytes": last["rss_bytes"],
+        "blocks_held": last["blocks_held"],
+        "index_bytes_per_block": last["index_bytes_per_block"],
+        "events_offered": totals["events"],
+        "events_folded": totals["applied"],
+        "index_digest": index_digest(got),
+        "route_errors": router.errors,
+    }
+
+
+def _step_row(
+    n: int, step: dict[str, Any], done_at: float, clock: ApplyClock, router: RouteClock, replica: Replica,
+    profile: WorkerProfile, lag_bound_ms: float,
+) -> dict[str, Any]:
+    lags = np.array([applied * 1000 - ts for ts, applied in clock.samples]) if clock.samples else np.zeros(1)
+    offered = step["block_events"] / (step["t1"] - step["t0"])
+    folded = step["block_events"] / (done_at - step["t0"])
+    target = n * profile.events_per_s
+    routes = router.window(step["t0"], done_at)
+    with replica.lock:
+        blocks = sum(sum(tiers.values()) for tiers in replica.router.tree_sizes().values())
+        index_bytes = replica.router.index_heap_bytes()
+    lag_p99 = float(np.percentile(lags, 99))
+    return {
+        "workers": n,
+        "target_block_events_per_s": round(target),
+        "offered_block_events_per_s": round(offered),
+        # Below 1 when the generator could not produce its records in time (restarts
+        # alone lower the offered rate below the target: a fresh pool evicts nothing).
+        "generator_pace": round(step["played_s"] / (step["t1"] - step["t0"]), 3),
+        "folded_block_events_per_s": round(folded),
+        "block_events": step["block_events"],
+        "records": step["records"],
+        "restarts": step["restarts"],
+        "catch_up_s": round(max(0.0, done_at - step["t1"]), 3),
+        "lag_p50_ms": round(float(np.percentile(lags, 50)), 1),
+        "lag_p99_ms": round(lag_p99, 1),
+        "lag_max_ms": round(float(lags.max()), 1),
+        "routes": len(routes),
+        "route_p50_us": percentiles_us(routes, 50)[0] if routes else None,
+        "route_p99_us": percentiles_us(routes, 99)[0] if routes else None,
+        "rss_bytes": rss_bytes(),
+        "blocks_held": blocks,
+        "index_bytes_per_block": round(index_bytes / blocks, 1),
+        "rss_bytes_per_block": round(rss_bytes() / blocks, 1),
+        "followed": lag_p99 <= lag_bound_ms and folded >= KEEP_UP * offered,
+    }
+
+
+def _brief(row: dict[str, Any]) -> str:
+    return (
+        f"offered {row['offered_block_events_per_s']:,}/s (target {row['target_block_events_per_s']:,}), "
+        f"folded {row['folded_block_events_per_s']:,}/s, lag p99 {row['lag_p99_ms']:,} ms, "
+        f"route p99 {row['route_p99_us']} µs, {'followed' if row['followed'] else 'NOT followed'}"
+    )
+
+
