@@ -31,6 +31,13 @@ at least 95 % of the offered rate; ``workers_followed`` is the largest such step
 generator kept 95 % of real time's pace. After a step that does not follow, the
 steps before the last are skipped. At the end the replica's index must equal what the
 workers hold, hash for hash (``index_digest``), with nothing rejected.
+
+``--shards S`` (S > 1) measures the index sharded by chain root (docs/SCALE.md): each
+chain's events go to the topic of shard ``root % S`` (root: the sequence hash of the
+chain's first block), each worker publishing one ordered stream per shard (its own
+event ids, ``cleared`` to every shard), and S replicas, each in a process of its own,
+fold one shard each. Per step: each shard's folded block events/s and lag, and the
+whole's; no routing is timed (a route goes to one shard).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,7 +69,9 @@ from kvstream.worker.batcher import EventBatcher
 from kvstream.worker.options import DEFAULTS
 from kvstream.worker.publisher import PublisherOptions
 from bench.common import emit, json_option, percentiles_us, rss_bytes
-from bench.kafka_env import bootstrap_option, high_watermarks, kafka_env, produce_records, wait_applied, wait_settled
+from bench.kafka_env import (
+    bench_topics, bootstrap_option, broker, high_watermarks, produce_records, wait_applied, wait_settled,
+)
 from bench.pipeline import ApplyClock, FleetProcess
 from bench.restart import LEASE_MS, replica_options
 
@@ -76,6 +86,15 @@ KEEP_UP = 0.95
 _PUBLISHER = PublisherOptions(worker_id=0)
 #: Prompts handed to the routing thread per step.
 ROUTE_PROMPTS = 64
+
+#: A record of the load: (shard, worker id, encoded EventBatch).
+ShardRecord = tuple[int, int, bytes]
+
+
+def chain_shard(root: int, shards: int) -> int:
+    """The shard of a chain whose first block has sequence hash ``root`` (an XXH3 hash:
+    uniform, so its residue spreads chains evenly)."""
+    return root % shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,79 +134,82 @@ class WorkerProfile:
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     bootstrap: str
-    prefix: str
+    #: Topic prefix of each shard (one: the index unsharded).
+    prefixes: tuple[str, ...]
     partitions: int
     profile: WorkerProfile
     seconds: float
     restarts_per_s: float
     seed: int
 
+    @property
+    def shards(self) -> int:
+        return len(self.prefixes)
+
 
 class _Chain:
-    __slots__ = ("seqs", "local", "tokens")
+    __slots__ = ("seqs", "local", "tokens", "shard")
 
-    def __init__(self, seqs: list[int], local: list[int], tokens: np.ndarray) -> None:
-        self.seqs, self.local, self.tokens = seqs, local, tokens
+    def __init__(self, seqs: list[int], local: list[int], tokens: np.ndarray, shard: int) -> None:
+        self.seqs, self.local, self.tokens, self.shard = seqs, local, tokens, shard
 
 
 class TieredWorker:
-    """One worker's pool as its passthrough consolidator publishes it, into ``batcher``."""
+    """One worker's pool as its passthrough consolidator publishes it, into one batcher
+    per shard."""
 
-    def __init__(self, worker_id: int, profile: WorkerProfile, seed: int, batcher: EventBatcher) -> None:
+    def __init__(self, worker_id: int, profile: WorkerProfile, seed: int, batchers: Sequence[EventBatcher]) -> None:
         self.worker_id = worker_id
         self.profile = profile
         self.rng = np.random.default_rng([seed, worker_id])
-        self.batcher = batcher
+        self.batchers = batchers
         self.tiers: dict[Tier, deque[_Chain]] = {t: deque() for t in TIERS}
         self.held = dict.fromkeys(TIERS, 0)
         self.epoch = 0
         #: Simulated time of the next request.
         self.next_at = 0.0
 
-    def restart(self, fill: bool) -> int:
-        """A new incarnation (``cleared``, empty tiers); ``fill``: then its tiers full,
-        published as a worker answering a resync publishes its state (each tier's chains,
-        no evictions). Returns the block events."""
+    def restart(self, fill: bool) -> None:
+        """A new incarnation (``cleared`` on every shard, empty tiers); ``fill``: then its
+        tiers full, published as a worker answering a resync publishes its state (each
+        tier's chains, no evictions)."""
         self.epoch += 1
-        self.batcher.start_epoch(self.epoch)
+        for b in self.batchers:
+            b.start_epoch(self.epoch)
         for t in TIERS:
             self.tiers[t].clear()
             self.held[t] = 0
-        if not fill:
-            return 0
-        p = self.profile
-        chains = [self._chain() for _ in range(p.disk_blocks // p.request_blocks)]
-        # The newest chains are on the upper tiers too.
-        return sum(self._store(t, c) for t in TIERS for c in chains[-(p.capacity(t) // p.request_blocks):])
+        if fill:
+            p = self.profile
+            chains = [self._chain() for _ in range(p.disk_blocks // p.request_blocks)]
+            for t in TIERS:  # the newest chains are on the upper tiers too
+                for c in chains[-(p.capacity(t) // p.request_blocks):]:
+                    self._store(t, c)
 
-    def request(self) -> int:
-        """A request's fresh chain stored on every tier (write-through); returns the
-        block events (stores and the evictions they caused)."""
+    def request(self) -> None:
+        """A request's fresh chain stored on every tier (write-through)."""
         chain = self._chain()
-        return sum(self._store(t, chain) for t in TIERS)
+        for t in TIERS:
+            self._store(t, chain)
 
     def _chain(self) -> _Chain:
         p = self.profile
         tokens = self.rng.integers(0, VOCAB, p.request_blocks * p.block_size, dtype=np.uint32)
         local, seqs = block_hashes(tokens.tolist(), p.block_size)
-        return _Chain(seqs, local, tokens)
+        return _Chain(seqs, local, tokens, chain_shard(seqs[0], len(self.batchers)))
 
-    def _store(self, tier: Tier, chain: _Chain) -> int:
-        """Store ``chain`` on ``tier``, evicting its oldest chains first as needed;
-        returns the block events."""
+    def _store(self, tier: Tier, chain: _Chain) -> None:
+        """Store ``chain`` on ``tier``, evicting its oldest chains first as needed."""
         queue = self.tiers[tier]
         n = len(chain.seqs)
-        events = n
         while self.held[tier] + n > self.profile.capacity(tier):
             old = queue.popleft()
-            self.batcher.removed(0, tier, old.seqs[::-1])  # leaves before parents
+            self.batchers[old.shard].removed(0, tier, old.seqs[::-1])  # leaves before parents
             self.held[tier] -= len(old.seqs)
-            events += len(old.seqs)
         # The batcher owns the lists it is given.
-        self.batcher.stored(0, tier, None, list(chain.seqs), list(chain.local))
+        self.batchers[chain.shard].stored(0, tier, None, list(chain.seqs), list(chain.local))
         queue.append(chain)
         self.held[tier] += n
-        return events
 
 
 class FleetLoad:
@@ -205,42 +227,45 @@ class FleetLoad:
         #: Simulated seconds played; one tick is the publisher's linger.
         self.now = 0.0
         self.tick_s = DEFAULTS.linger_ms / 1000
-        self._out: list[tuple[int, bytes]] = []
-        #: Router events written into records so far.
-        self.events = 0
+        self._out: list[ShardRecord] = []
+        #: Router events and block events (blocks stored + removed) written so far, per shard.
+        self.events = [0] * spec.shards
+        self.block_events = [0] * spec.shards
 
-    def _batcher(self, wid: int) -> EventBatcher:
-        def emit_batch(batch: EventBatch, _blocks: int) -> None:
-            self._out.append((batch.worker_id, self.codec.encode(batch)))
-            self.events += len(batch.events)
+    def _batcher(self, wid: int, shard: int) -> EventBatcher:
+        def emit_batch(batch: EventBatch, blocks: int) -> None:
+            self._out.append((shard, batch.worker_id, self.codec.encode(batch)))
+            self.events[shard] += len(batch.events)
+            self.block_events[shard] += blocks
 
         return EventBatcher(
             wid, LEASE_MS, _PUBLISHER.max_batch_events, _PUBLISHER.max_batch_blocks, emit_batch, clock=lambda: self.now
         )
 
-    def _cut(self, workers: Sequence[TieredWorker]) -> list[tuple[int, bytes]]:
+    def _cut(self, workers: Sequence[TieredWorker]) -> list[ShardRecord]:
         for w in workers:
-            w.batcher.cut()
+            for b in w.batchers:
+                b.cut()
         out, self._out = self._out, []
         return out
 
-    def join(self, n_workers: int) -> tuple[list[tuple[int, bytes]], int]:
-        """Workers up to ``n_workers`` join with full tiers: (records, block events)."""
+    def join(self, n_workers: int) -> list[ShardRecord]:
+        """Workers up to ``n_workers`` join with full tiers: their records."""
         spec = self.spec
         new = []
         for wid in range(len(self.workers) + 1, n_workers + 1):
-            w = TieredWorker(wid, spec.profile, spec.seed, self._batcher(wid))
+            w = TieredWorker(wid, spec.profile, spec.seed, [self._batcher(wid, s) for s in range(spec.shards)])
             # Spread the workers' requests over a request's interval.
             w.next_at = self.now + float(self.rng.uniform(0, 1 / spec.profile.requests_per_s))
             new.append(w)
         self.workers.extend(new)
-        events = 0
         for w in new:
-            events += w.restart(fill=True)
-        return self._cut(new), events
+            w.restart(fill=True)
+        return self._cut(new)
 
-    def play(self) -> tuple[list[list[tuple[int, bytes]]], dict[str, int]]:
-        """``spec.seconds`` of every worker's stream: records per tick, and counts."""
+    def play(self) -> tuple[list[list[ShardRecord]], int]:
+        """``spec.seconds`` of every worker's stream: the records of each tick, and the
+        restarts."""
         spec = self.spec
         n_ticks = max(1, round(spec.seconds / self.tick_s))
         start = self.now
@@ -255,16 +280,15 @@ class FleetLoad:
         for _ in range(n_restarts):
             restarts[int(self.rng.integers(n_ticks))].append(self.workers[int(self.rng.integers(len(self.workers)))])
         ticks = []
-        events = 0
         for k in range(n_ticks):
             self.now = start + k * self.tick_s
             for w in restarts[k]:
                 w.restart(fill=False)
             for w in due[k]:
-                events += w.request()
+                w.request()
             ticks.append(self._cut([*restarts[k], *due[k]]))
         self.now = start + n_ticks * self.tick_s
-        return ticks, {"block_events": events, "restarts": n_restarts}
+        return ticks, n_restarts
 
     def held(self) -> dict[int, dict[str, int]]:
         return {w.worker_id: {t.value: n for t, n in w.held.items()} for w in self.workers}
@@ -281,23 +305,35 @@ class FleetLoad:
         ]
 
 
+def shard_settings(bootstrap: str, prefix: str, partitions: int) -> Settings:
+    return Settings(bootstrap=bootstrap, topics=TopicSettings(prefix=prefix, events_partitions=partitions))
+
+
 class LoadProcess:
     """:class:`FleetLoad` with a producer, run in the child process."""
 
     def __init__(self, spec: LoadSpec) -> None:
         self.load = FleetLoad(spec)
-        self.settings = Settings(
-            bootstrap=spec.bootstrap, topics=TopicSettings(prefix=spec.prefix, events_partitions=spec.partitions)
-        )
-        self.topic = self.settings.topics.name("events")
-        self.producer = Producer(producer_config(self.settings, **{"client.id": "kvstream-bench-fleet-scale"}))
+        self.settings = [shard_settings(spec.bootstrap, p, spec.partitions) for p in spec.prefixes]
+        self.topics = [s.topics.name("events") for s in self.settings]
+        self.producer = Producer(producer_config(self.settings[0], **{"client.id": "kvstream-bench-fleet-scale"}))
         self.failures: list[str] = []
 
+    def _counts(self, before: tuple[list[int], list[int]]) -> dict[str, Any]:
+        events = [a - b for a, b in zip(self.load.events, before[0])]
+        blocks = [a - b for a, b in zip(self.load.block_events, before[1])]
+        return {"events": sum(events), "block_events": sum(blocks), "block_events_by_shard": blocks}
+
+    def _before(self) -> tuple[list[int], list[int]]:
+        return list(self.load.events), list(self.load.block_events)
+
     def join(self, n_workers: int) -> dict[str, Any]:
-        before = self.load.events
-        records, events = self.load.join(n_workers)
-        produce_records(self.settings, records, desc=f"{n_workers} workers' state")
-        return {"block_events": events, "events": self.load.events - before, "prompts": self.load.prompts(ROUTE_PROMPTS)}
+        before = self._before()
+        records = self.load.join(n_workers)
+        for shard, settings in enumerate(self.settings):
+            mine = [(wid, value) for s, wid, value in records if s == shard]
+            produce_records(settings, mine, desc=f"{n_workers} workers' state")
+        return {**self._counts(before), "prompts": self.load.prompts(ROUTE_PROMPTS)}
 
     def _delivered(self, err: Any, _msg: Any) -> None:
         if err is not None:
@@ -305,20 +341,19 @@ class LoadProcess:
 
     def play(self) -> dict[str, Any]:
         """Generate the step (untimed), then produce each tick's records at its moment."""
-        before = self.load.events
-        ticks, counts = self.load.play()
-        n_events = self.load.events - before
-        produce, poll = self.producer.produce, self.producer.poll
+        before = self._before()
+        ticks, restarts = self.load.play()
+        produce, poll, topics = self.producer.produce, self.producer.poll, self.topics
         tick_s = self.load.tick_s
         t0 = time.time()
         for k, records in enumerate(ticks):
             wait = t0 + k * tick_s - time.time()
             if wait > 0:
                 time.sleep(wait)
-            for wid, value in records:
+            for shard, wid, value in records:
                 while True:
                     try:
-                        produce(self.topic, value=value, key=worker_key(wid), on_delivery=self._delivered)
+                        produce(topics[shard], value=value, key=worker_key(wid), on_delivery=self._delivered)
                         break
                     except BufferError:  # the client's queue is full: let deliveries make room
                         poll(0.01)
@@ -327,7 +362,7 @@ class LoadProcess:
         if self.producer.flush(120) or self.failures:
             raise RuntimeError(f"Kafka did not acknowledge every record: {self.failures[:1]}")
         return {
-            **counts, "events": n_events, "records": sum(map(len, ticks)), "t0": t0, "t1": t1,
+            **self._counts(before), "restarts": restarts, "records": sum(map(len, ticks)), "t0": t0, "t1": t1,
             "played_s": len(ticks) * tick_s,
         }
 
@@ -348,15 +383,87 @@ def index_digest(held: Mapping[tuple[int, int, str], Sequence[int]]) -> str:
     return h.hexdigest()
 
 
-def replica_held(replica: Replica) -> dict[tuple[int, int, str], list[int]]:
-    with replica.lock:
-        router = replica.router
+@dataclass(frozen=True, slots=True)
+class FollowerSpec:
+    bootstrap: str
+    prefix: str
+    partitions: int
+
+
+class Follower:
+    """A real replica folding one shard's topic, its fold's applies clocked
+    (:class:`bench.pipeline.ApplyClock`); in this process or in a child of its own."""
+
+    def __init__(self, spec: FollowerSpec) -> None:
+        self.settings = shard_settings(spec.bootstrap, spec.prefix, spec.partitions)
+        self.replica = Replica(self.settings, replica_options(None))
+        self.clock = ApplyClock(self.replica.fold.apply_record)
+        self.replica.fold.apply_record = self.clock  # type: ignore[method-assign]
+        self.replica.start()
+
+    def settle(self, timeout: float) -> None:
+        wait_settled(self.replica, self.settings, timeout, "replica reading the empty log")
+
+    def watch(self, on: bool) -> None:
+        """Count applied events from now (``on``), or stop counting."""
+        self.clock.on = on
+
+    def caught_up(self, timeout: float, desc: str, clear: bool = False) -> float:
+        """Wait until the replica has read its topic to the end; returns when it had
+        (``time.time()``). ``clear``: then drop the lag samples noted so far."""
+        done_at = wait_applied(self.replica, high_watermarks(self.settings), timeout, desc)
+        if clear:
+            self.clock.samples = []
+        return done_at
+
+    def measure(self) -> dict[str, Any]:
+        """Lags (ms) of the records applied since the last clear, events applied since
+        the start, blocks held and memory."""
+        replica = self.replica
+        with replica.lock:
+            blocks = sum(sum(tiers.values()) for tiers in replica.router.tree_sizes().values())
+            index_bytes = replica.router.index_heap_bytes()
         return {
-            (k.worker_id, k.dp_rank, t.value): list(router.blocks(WorkerKey(k.worker_id, k.dp_rank), t))
-            for k, tiers in router.tree_sizes().items()
-            for t, n in tiers.items()
-            if n
+            "lags_ms": [applied * 1000 - ts for ts, applied in self.clock.samples],
+            "applied_events": self.clock.applied_events,
+            "blocks_held": blocks,
+            "index_bytes": index_bytes,
+            "rss_bytes": rss_bytes(),
         }
+
+    def held(self) -> dict[tuple[int, int, str], list[int]]:
+        with self.replica.lock:
+            router = self.replica.router
+            return {
+                (k.worker_id, k.dp_rank, t.value): list(router.blocks(WorkerKey(k.worker_id, k.dp_rank), t))
+                for k, tiers in router.tree_sizes().items()
+                for t, n in tiers.items()
+                if n
+            }
+
+    def rejected(self) -> dict[str, int]:
+        with self.replica.lock:
+            return {k: v for k, v in self.replica.fold.rejections().items() if v}
+
+    def close(self) -> None:
+        self.replica.stop()
+
+
+class _Here:
+    """A :class:`Follower` in this process, driven as the children are (send, answer)."""
+
+    def __init__(self, follower: Follower) -> None:
+        self.follower = follower
+        self._result: Any = None
+
+    def send(self, cmd: str, *args: Any) -> None:
+        self._result = getattr(self.follower, cmd)(*args)
+
+    def answer(self, timeout: float) -> Any:
+        return self._result
+
+    def close(self) -> None:
+        self.follower.close()
 
 
 class RouteClock:
@@ -437,8 +544,9 @@ _PROFILE = WorkerProfile()
 @click.option("--host-blocks", default=_PROFILE.host_blocks, show_default=True, help="G2 capacity per worker.")
 @click.option("--disk-blocks", default=_PROFILE.disk_blocks, show_default=True, help="G3 capacity per worker.")
 @click.option("--restarts-per-s", default=0.5, show_default=True, help="Worker restarts per second across the fleet.")
-@click.option("--partitions", default=16, show_default=True, help="Partitions of the events topic.")
-@click.option("--route-rate", default=200.0, show_default=True, help="Routing decisions per second during the steps.")
+@click.option("--partitions", default=16, show_default=True, help="Partitions of the events topic (of each shard's).")
+@click.option("--shards", default=1, show_default=True, help="Shards of the index by chain root, one replica process each (1: one replica in this process, routes timed).")
+@click.option("--route-rate", default=200.0, show_default=True, help="Routing decisions per second during the steps (one shard only).")
 @click.option("--lag-bound-ms", default=1_000.0, show_default=True, help="Lag p99 at most this for a step to count as followed.")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds the replica may take to catch up after a step.")
 @click.option("--seed", default=0, show_default=True)
@@ -446,25 +554,41 @@ _PROFILE = WorkerProfile()
 def fleet_scale_bench(
     bootstrap: str | None, n_workers: int, steps: str | None, seconds: float, new_tokens_per_s: float,
     block_size: int, request_blocks: int, device_blocks: int, host_blocks: int, disk_blocks: int,
-    restarts_per_s: float, partitions: int, route_rate: float, lag_bound_ms: float, timeout: float, seed: int,
-    as_json: bool,
+    restarts_per_s: float, partitions: int, shards: int, route_rate: float, lag_bound_ms: float, timeout: float,
+    seed: int, as_json: bool,
 ) -> None:
-    """A fleet's tiered KV event streams live into one replica: events/s offered and
-    folded, lag p99, route p99, RSS, and how many workers it follows."""
+    """A fleet's tiered KV event streams live into one replica (or one per shard):
+    events/s offered and folded, lag p99, route p99, RSS, and how many workers it follows."""
     step_list = parse_steps(steps, n_workers)
     profile = WorkerProfile(block_size, new_tokens_per_s, request_blocks, device_blocks, host_blocks, disk_blocks)
-    if seconds <= 0 or partitions < 1 or route_rate <= 0 or restarts_per_s < 0 or lag_bound_ms <= 0:
-        raise click.BadParameter("--seconds, --partitions, --route-rate, --lag-bound-ms must be positive, --restarts-per-s >= 0")
+    if seconds <= 0 or partitions < 1 or shards < 1 or route_rate <= 0 or restarts_per_s < 0 or lag_bound_ms <= 0:
+        raise click.BadParameter(
+            "--seconds, --partitions, --shards, --route-rate, --lag-bound-ms must be positive, --restarts-per-s >= 0"
+        )
     load_avg = [os.getloadavg()[0]]
-    with kafka_env(bootstrap, events_partitions=partitions) as settings:
-        register_synthetic(settings, range(1, n_workers + 1), block_size)  # routers admit registered workers only
-        spec = LoadSpec(settings.bootstrap or "", settings.topics.prefix, partitions, profile, seconds, restarts_per_s, seed)
-        click.echo(f"starting the load generator and a replica ({n_workers} workers at {profile.events_per_s:,.0f} block events/s each)...", err=True)
-        load = FleetProcess(spec, LoadProcess)
-        try:
-            result = _run(settings, load, step_list, profile, route_rate, lag_bound_ms, timeout)
-        finally:
-            load.close()
+    with broker(bootstrap) as servers, ExitStack() as topics:
+        prefixes = []
+        for _ in range(shards):
+            settings = topics.enter_context(bench_topics(servers, events_partitions=partitions))
+            register_synthetic(settings, range(1, n_workers + 1), block_size)  # routers admit registered workers only
+            prefixes.append(settings.topics.prefix)
+        spec = LoadSpec(servers, tuple(prefixes), partitions, profile, seconds, restarts_per_s, seed)
+        click.echo(
+            f"starting the load generator and {shards} replica(s) ({n_workers} workers at "
+            f"{profile.events_per_s:,.0f} block events/s each)...", err=True,
+        )
+        with ExitStack() as procs:
+            load = FleetProcess(spec, LoadProcess)
+            procs.callback(load.close)
+            followers: list[Any] = []
+            for prefix in prefixes:
+                fspec = FollowerSpec(servers, prefix, partitions)
+                followers.append(_Here(Follower(fspec)) if shards == 1 else FleetProcess(fspec, Follower))
+                procs.callback(followers[-1].close)
+            route = RouteClock(followers[0].follower.replica, route_rate) if shards == 1 else None
+            if route is not None:
+                procs.callback(route.stop)
+            result = _run(load, followers, route, step_list, profile, lag_bound_ms, timeout)
     load_avg.append(os.getloadavg()[0])
     emit(
         {
@@ -475,6 +599,7 @@ def fleet_scale_bench(
             "profile": asdict(profile),
             "seconds_per_step": seconds,
             "partitions": partitions,
+            "shards": shards,
             "restarts_per_s": restarts_per_s,
             "lag_bound_ms": lag_bound_ms,
             "seed": seed,
@@ -485,117 +610,142 @@ def fleet_scale_bench(
     )
 
 
+def _all(followers: Sequence[Any], cmd: str, *args: Any, timeout: float) -> list[Any]:
+    """``cmd`` on every follower at once (each child waits for its own shard), then
+    their answers."""
+    for f in followers:
+        f.send(cmd, *args)
+    return [f.answer(timeout) for f in followers]
+
+
 def _run(
-    settings: Settings, load: FleetProcess, steps: list[int], profile: WorkerProfile, route_rate: float,
+    load: FleetProcess, followers: Sequence[Any], route: RouteClock | None, steps: list[int], profile: WorkerProfile,
     lag_bound_ms: float, timeout: float,
 ) -> dict[str, Any]:
-    replica = Replica(settings, replica_options(None))
-    clock = ApplyClock(replica.fold.apply_record)
-    replica.fold.apply_record = clock  # type: ignore[method-assign]
-    replica.start()
-    router = RouteClock(replica, route_rate)
     rows: list[dict[str, Any]] = []
     played: list[int] = []
-    try:
-        wait_settled(replica, settings, timeout, "replica reading the empty log")
-        router.start()
-        totals = {"events": 0, "applied": 0}
-        for n in steps:
-            if rows and not rows[-1]["followed"] and n != steps[-1]:
-                continue  # past what one replica follows: go to the whole fleet
-            clock.on = True
-            joined = load.call("join", n, timeout=timeout)
-            wait_applied(replica, high_watermarks(settings), timeout, f"{n} workers joining")
-            router.prompts = joined["prompts"]
-            clock.samples = []
-            click.echo(f"{n} workers: offering {n * profile.events_per_s:,.0f} block events/s...", err=True)
-            step = load.call("play", timeout=timeout)
-            done_at = wait_applied(replica, high_watermarks(settings), timeout, f"replica folding {n} workers")
-            clock.on = False
-            totals["events"] += joined["events"] + step["events"]
-            totals["applied"] = clock.applied_events
-            played.append(n)
-            rows.append(_step_row(n, step, done_at, clock, router, replica, profile, lag_bound_ms))
-            click.echo(f"  {_brief(rows[-1])}", err=True)
-        held = load.call("held", timeout=timeout)
-        got = replica_held(replica)
-        sizes: dict[tuple[int, str], int] = {}
-        for (wid, _rank, tier), hashes in got.items():
-            sizes[(wid, tier)] = len(hashes)
-        want = {(wid, tier): n for wid, tiers in held.items() for tier, n in tiers.items() if n}
-        if sizes != want:
-            raise click.ClickException(f"the index holds {sum(sizes.values())} blocks, the workers {sum(want.values())}")
-        with replica.lock:
-            rejected = {k: v for k, v in replica.fold.rejections().items() if v}
-        if rejected:
-            raise click.ClickException(f"events rejected or skipped: {rejected}")
-    finally:
-        router.stop()
-        replica.stop()
+    events_offered = 0
+    _all(followers, "settle", timeout, timeout=timeout)
+    _all(followers, "watch", True, timeout=timeout)
+    if route is not None:
+        route.start()
+    for n in steps:
+        if rows and not rows[-1]["followed"] and n != steps[-1]:
+            continue  # past what one replica follows: go to the whole fleet
+        joined = load.call("join", n, timeout=timeout)
+        _all(followers, "caught_up", timeout, f"{n} workers joining", True, timeout=timeout)
+        if route is not None:
+            route.prompts = joined["prompts"]
+        click.echo(f"{n} workers: offering {n * profile.events_per_s:,.0f} block events/s...", err=True)
+        step = load.call("play", timeout=timeout)
+        done = _all(followers, "caught_up", timeout, f"replicas folding {n} workers", timeout=timeout)
+        measured = _all(followers, "measure", timeout=timeout)
+        events_offered += joined["events"] + step["events"]
+        played.append(n)
+        rows.append(_step_row(n, step, done, measured, route, profile, lag_bound_ms))
+        click.echo(f"  {_brief(rows[-1])}", err=True)
+    _all(followers, "watch", False, timeout=timeout)
+    if route is not None:
+        route.stop()
+
+    held = load.call("held", timeout=timeout)
+    got: dict[tuple[int, int, str], list[int]] = {}
+    for part in _all(followers, "held", timeout=timeout):
+        for key, hashes in part.items():
+            got.setdefault(key, []).extend(hashes)
+    sizes = {(wid, tier): len(hashes) for (wid, _rank, tier), hashes in got.items()}
+    want = {(wid, tier): n for wid, tiers in held.items() for tier, n in tiers.items() if n}
+    if sizes != want:
+        raise click.ClickException(f"the index holds {sum(sizes.values())} blocks, the workers {sum(want.values())}")
+    rejected = [r for r in _all(followers, "rejected", timeout=timeout) if r]
+    if rejected:
+        raise click.ClickException(f"events rejected or skipped: {rejected}")
     followed = [r["workers"] for r in rows if r["followed"] and r["generator_pace"] >= KEEP_UP]
     last = rows[-1]
     return {
         "steps_played": played,
         "steps": rows,
         "workers_followed": max(followed, default=0),
-        "offered_block_events_per_s": last["offered_block_events_per_s"],
-        "folded_block_events_per_s": last["folded_block_events_per_s"],
-        "lag_p99_ms": last["lag_p99_ms"],
-        "route_p99_us": last["route_p99_us"],
-        "rss_bytes": last["rss_bytes"],
-        "blocks_held": last["blocks_held"],
-        "index_bytes_per_block": last["index_bytes_per_block"],
-        "events_offered": totals["events"],
-        "events_folded": totals["applied"],
+        **{k: last[k] for k in (
+            "offered_block_events_per_s", "folded_block_events_per_s", "lag_p99_ms", "route_p99_us", "rss_bytes",
+            "blocks_held", "index_bytes_per_block",
+        )},
+        "events_offered": events_offered,
+        "events_folded": sum(m["applied_events"] for m in measured),
         "index_digest": index_digest(got),
-        "route_errors": router.errors,
+        "route_errors": route.errors if route is not None else None,
+    }
+
+
+def _lag_figures(lags: Sequence[float], prefix: str = "") -> dict[str, float]:
+    arr = np.asarray(lags) if len(lags) else np.zeros(1)
+    return {
+        f"{prefix}lag_p50_ms": round(float(np.percentile(arr, 50)), 1),
+        f"{prefix}lag_p99_ms": round(float(np.percentile(arr, 99)), 1),
+        f"{prefix}lag_max_ms": round(float(arr.max()), 1),
     }
 
 
 def _step_row(
-    n: int, step: dict[str, Any], done_at: float, clock: ApplyClock, router: RouteClock, replica: Replica,
+    n: int, step: dict[str, Any], done: Sequence[float], measured: Sequence[dict[str, Any]], route: RouteClock | None,
     profile: WorkerProfile, lag_bound_ms: float,
 ) -> dict[str, Any]:
-    lags = np.array([applied * 1000 - ts for ts, applied in clock.samples]) if clock.samples else np.zeros(1)
-    offered = step["block_events"] / (step["t1"] - step["t0"])
-    folded = step["block_events"] / (done_at - step["t0"])
+    t0 = step["t0"]
+    offered = step["block_events"] / (step["t1"] - t0)
+    folded = step["block_events"] / (max(done) - t0)
     target = n * profile.events_per_s
-    routes = router.window(step["t0"], done_at)
-    with replica.lock:
-        blocks = sum(sum(tiers.values()) for tiers in replica.router.tree_sizes().values())
-        index_bytes = replica.router.index_heap_bytes()
-    lag_p99 = float(np.percentile(lags, 99))
-    return {
+    lags = _lag_figures([lag for m in measured for lag in m["lags_ms"]])
+    blocks = sum(m["blocks_held"] for m in measured)
+    rss = sum(m["rss_bytes"] for m in measured)
+    row: dict[str, Any] = {
         "workers": n,
         "target_block_events_per_s": round(target),
         "offered_block_events_per_s": round(offered),
         # Below 1 when the generator could not produce its records in time (restarts
         # alone lower the offered rate below the target: a fresh pool evicts nothing).
-        "generator_pace": round(step["played_s"] / (step["t1"] - step["t0"]), 3),
+        "generator_pace": round(step["played_s"] / (step["t1"] - t0), 3),
         "folded_block_events_per_s": round(folded),
         "block_events": step["block_events"],
         "records": step["records"],
         "restarts": step["restarts"],
-        "catch_up_s": round(max(0.0, done_at - step["t1"]), 3),
-        "lag_p50_ms": round(float(np.percentile(lags, 50)), 1),
-        "lag_p99_ms": round(lag_p99, 1),
-        "lag_max_ms": round(float(lags.max()), 1),
-        "routes": len(routes),
-        "route_p50_us": percentiles_us(routes, 50)[0] if routes else None,
-        "route_p99_us": percentiles_us(routes, 99)[0] if routes else None,
-        "rss_bytes": rss_bytes(),
+        "catch_up_s": round(max(0.0, max(done) - step["t1"]), 3),
+        **lags,
+        "rss_bytes": rss,
         "blocks_held": blocks,
-        "index_bytes_per_block": round(index_bytes / blocks, 1),
-        "rss_bytes_per_block": round(rss_bytes() / blocks, 1),
-        "followed": lag_p99 <= lag_bound_ms and folded >= KEEP_UP * offered,
+        "index_bytes_per_block": round(sum(m["index_bytes"] for m in measured) / blocks, 1),
+        "rss_bytes_per_block": round(rss / blocks, 1),
+        "followed": lags["lag_p99_ms"] <= lag_bound_ms and folded >= KEEP_UP * offered,
     }
+    if route is not None:
+        routes = route.window(t0, max(done))
+        row.update({
+            "routes": len(routes),
+            "route_p50_us": percentiles_us(routes, 50)[0] if routes else None,
+            "route_p99_us": percentiles_us(routes, 99)[0] if routes else None,
+        })
+    else:
+        row["route_p99_us"] = None
+    if len(measured) > 1:
+        row["by_shard"] = [
+            {
+                "block_events": events,
+                "folded_block_events_per_s": round(events / (at - t0)),
+                **_lag_figures(m["lags_ms"]),
+                "blocks_held": m["blocks_held"],
+                "rss_bytes": m["rss_bytes"],
+            }
+            for events, at, m in zip(step["block_events_by_shard"], done, measured)
+        ]
+    return row
 
 
 def _brief(row: dict[str, Any]) -> str:
+    shards = "".join(
+        f"; shard {i}: folded {s['folded_block_events_per_s']:,}/s, lag p99 {s['lag_p99_ms']:,} ms"
+        for i, s in enumerate(row.get("by_shard", ()))
+    )
     return (
         f"offered {row['offered_block_events_per_s']:,}/s (target {row['target_block_events_per_s']:,}), "
         f"folded {row['folded_block_events_per_s']:,}/s, lag p99 {row['lag_p99_ms']:,} ms, "
-        f"route p99 {row['route_p99_us']} µs, {'followed' if row['followed'] else 'NOT followed'}"
+        f"route p99 {row['route_p99_us']} µs, {'followed' if row['followed'] else 'NOT followed'}{shards}"
     )
-
-

@@ -37,6 +37,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvstream.events.model import Tier
 from kvstream.kafka.config import consumer_config
+from kvstream.logs import configure_logging, current_logging
 from kvstream.replica.fold import Outcome
 from kvstream.replica.replica import Replica
 from kvstream.settings import Settings, TopicSettings
@@ -173,8 +174,10 @@ class _Fleet:
             w.publisher.close()
 
 
-def _fleet_main(factory: Callable[[Any], Any], spec: Any, conn: Connection) -> None:
+def _fleet_main(factory: Callable[[Any], Any], spec: Any, conn: Connection, logging: tuple[str, str]) -> None:
     """Child process: run the fleet's commands from the parent until told to stop."""
+    # A spawned process logs to stdout until configured: into the parent's --json answer.
+    configure_logging(*logging)
     fleet = None
     try:
         fleet = factory(spec)
@@ -201,13 +204,14 @@ class FleetProcess:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_fleet_main, args=(factory, spec, child), name="kvstream-bench-fleet", daemon=True
+            target=_fleet_main, args=(factory, spec, child, current_logging()), name="kvstream-bench-fleet", daemon=True
         )
         self._proc.start()
         child.close()
-        self._answer(300)
+        self.answer(300)
 
-    def _answer(self, timeout: float) -> Any:
+    def answer(self, timeout: float) -> Any:
+        """The answer to the command sent last (:meth:`send`)."""
         if not self._conn.poll(timeout):
             raise click.ClickException(f"the publisher process did not answer within {timeout:.0f}s")
         status, value = self._conn.recv()
@@ -215,9 +219,14 @@ class FleetProcess:
             raise click.ClickException(f"publisher process failed: {value}")
         return value
 
-    def call(self, cmd: str, *args: Any, timeout: float = 600) -> dict[str, Any]:
+    def send(self, cmd: str, *args: Any) -> None:
+        """Start ``cmd`` in the child; :meth:`answer` waits for its result (the parent
+        may drive several children at once meanwhile)."""
         self._conn.send((cmd, *args))
-        return self._answer(timeout)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 600) -> Any:
+        self.send(cmd, *args)
+        return self.answer(timeout)
 
     def close(self) -> None:
         if self._proc.is_alive():

@@ -10,22 +10,24 @@ import pytest
 from click.testing import CliRunner
 
 from bench import bench
-from bench.fleet_scale import TIERS, FleetLoad, LoadSpec, WorkerProfile, index_digest
+from bench.fleet_scale import FleetLoad, LoadSpec, ShardRecord, WorkerProfile, chain_shard, index_digest
 from kvstream.events.codec import EventCodec
 from kvstream.events.model import Removed, Stored
-from kvstream.router.index import WorkerKey
+from kvstream.hashing import sequence_hashes
 
 from tests.router.reference import ReferenceIndex
 
 PROFILE = WorkerProfile(request_blocks=16, device_blocks=64, host_blocks=128, disk_blocks=256)
 
 
-def reference_fold(records: list[tuple[int, bytes]], ref: ReferenceIndex, epochs: dict[int, int]) -> int:
-    """Fold encoded records into ``ref`` as a replica does (a new epoch wipes the
-    worker, DESIGN.md §2); returns the events."""
+def reference_fold(records: list[ShardRecord], ref: ReferenceIndex, epochs: dict[int, int], shard: int = 0) -> int:
+    """Fold the encoded records of ``shard`` into ``ref`` as a replica does (a new epoch
+    wipes the worker, DESIGN.md §2); returns the events."""
     codec = EventCodec()
     n = 0
-    for wid, value in records:
+    for s, wid, value in records:
+        if s != shard:
+            continue
         batch = codec.decode(value)
         assert batch.worker_id == wid
         if epochs.get(wid) != batch.epoch:
@@ -37,50 +39,92 @@ def reference_fold(records: list[tuple[int, bytes]], ref: ReferenceIndex, epochs
     return n
 
 
-def reference_digest(ref: ReferenceIndex) -> str:
-    return index_digest({(k.worker_id, k.dp_rank, t.value): list(b) for (t, k), b in ref.blocks.items()})
+def held_by_worker_tier(ref: ReferenceIndex) -> dict[tuple[int, str], set[int]]:
+    out: dict[tuple[int, str], set[int]] = {}
+    for (tier, key), blocks in ref.blocks.items():
+        if blocks:
+            out.setdefault((key.worker_id, tier.value), set()).update(blocks)
+    return out
+
+
+def reference_digest(refs: list[ReferenceIndex]) -> str:
+    held: dict[tuple[int, int, str], list[int]] = {}
+    for ref in refs:
+        for (t, k), b in ref.blocks.items():
+            held.setdefault((k.worker_id, k.dp_rank, t.value), []).extend(b)
+    return index_digest(held)
+
+
+def spec(seconds: float, restarts_per_s: float, seed: int, shards: int = 1) -> LoadSpec:
+    return LoadSpec("", ("",) * shards, 1, PROFILE, seconds, restarts_per_s, seed)
 
 
 def test_streams_fold_to_what_the_workers_hold_at_the_rate_derived() -> None:
-    spec = LoadSpec("", "", 1, PROFILE, seconds=2.0, restarts_per_s=0.0, seed=3)
-    load = FleetLoad(spec)
+    load = FleetLoad(spec(2.0, 0.0, 3))
     ref, epochs = ReferenceIndex(), {}
-    joined, fill_events = load.join(4)
-    reference_fold(joined, ref, epochs)
+    reference_fold(load.join(4), ref, epochs)
     # A joining worker publishes full tiers: its disk, and the newest chains on host and device.
-    assert fill_events == 4 * (256 + 128 + 64)
-    ticks, counts = load.play()
+    assert load.block_events == [4 * (256 + 128 + 64)]
+    ticks, restarts = load.play()
+    assert restarts == 0
     stored = removed = 0
     codec = EventCodec()
     for records in ticks:
-        for _, value in records:
+        for _, _, value in records:
             for ev in codec.decode(value).events:
                 stored += len(ev.block_hashes) if type(ev) is Stored else 0
                 removed += len(ev.block_hashes) if type(ev) is Removed else 0
         reference_fold(records, ref, epochs)
     assert not +ref.counters  # nothing rejected: every parent on its tier, every remove known
     # Full tiers: every block stored is evicted too, on each of the three tiers.
-    assert stored == removed == counts["block_events"] // 2
-    assert counts["block_events"] == pytest.approx(4 * PROFILE.events_per_s * spec.seconds, rel=0.1)
-    sizes = ref.tree_sizes()
-    assert {(k.worker_id, t.value): n for k, s in sizes.items() for t, n in s.items() if t in TIERS} == {
+    played = load.block_events[0] - 4 * (256 + 128 + 64)
+    assert stored == removed == played // 2
+    assert played == pytest.approx(4 * PROFILE.events_per_s * 2.0, rel=0.1)
+    assert {k: len(v) for k, v in held_by_worker_tier(ref).items()} == {
         (wid, tier): n for wid, tiers in load.held().items() for tier, n in tiers.items()
     }
 
 
 def test_a_restart_opens_a_new_epoch_with_empty_tiers() -> None:
-    load = FleetLoad(LoadSpec("", "", 1, PROFILE, seconds=1.0, restarts_per_s=50.0, seed=1))
+    load = FleetLoad(spec(1.0, 50.0, 1))
     ref, epochs = ReferenceIndex(), {}
-    reference_fold(load.join(2)[0], ref, epochs)
-    ticks, counts = load.play()
-    assert counts["restarts"] > 10
+    reference_fold(load.join(2), ref, epochs)
+    ticks, restarts = load.play()
+    assert restarts > 10
     for records in ticks:
         reference_fold(records, ref, epochs)
     assert max(epochs.values()) > 1
     assert not +ref.counters
-    assert {k.worker_id: sum(s.values()) for k, s in ref.tree_sizes().items()} == {
-        wid: sum(tiers.values()) for wid, tiers in load.held().items()
+    assert {k: len(v) for k, v in held_by_worker_tier(ref).items()} == {
+        (wid, tier): n for wid, tiers in load.held().items() for tier, n in tiers.items() if n
     }
+
+
+def test_shards_split_the_same_blocks_by_chain_root() -> None:
+    whole, split = FleetLoad(spec(1.0, 5.0, 2)), FleetLoad(spec(1.0, 5.0, 2, shards=2))
+    ref = ReferenceIndex()
+    shard_refs = [ReferenceIndex(), ReferenceIndex()]
+    epochs: dict[int, int] = {}
+    shard_epochs: list[dict[int, int]] = [{}, {}]
+    records = [whole.join(3), *whole.play()[0]]
+    shard_records = [split.join(3), *split.play()[0]]
+    for r in records:
+        reference_fold(r, ref, epochs)
+    for r in shard_records:
+        for k in (0, 1):
+            reference_fold(r, shard_refs[k], shard_epochs[k], shard=k)
+    assert not +ref.counters and not any(+r.counters for r in shard_refs)
+    # Each shard's log stands alone (its own event ids, every parent on it), the two
+    # hold exactly the blocks of the unsharded log, and each holds only its roots' chains.
+    halves = [held_by_worker_tier(r) for r in shard_refs]
+    union = {k: halves[0].get(k, set()) | halves[1].get(k, set()) for k in {*halves[0], *halves[1]}}
+    assert union == held_by_worker_tier(ref)
+    assert reference_digest(shard_refs) == reference_digest([ref])
+    for k, r in enumerate(shard_refs):
+        roots = {path[0] for blocks in r.blocks.values() for path in blocks.values()}
+        assert roots and all(chain_shard(sequence_hashes([root])[0], 2) == k for root in roots)
+    assert sum(split.block_events) == sum(whole.block_events)
+    assert min(split.block_events) > 0.3 * sum(split.block_events)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -96,12 +140,13 @@ def test_bad_input_is_refused_before_any_broker_starts(args: list[str], message:
 
 @pytest.mark.slow
 @pytest.mark.kafka
-def test_fleet_scale_bench_replica_equals_the_reference_fold(kafka_bootstrap: str) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_fleet_scale_bench_replica_equals_the_reference_fold(kafka_bootstrap: str, shards: int) -> None:
     args = [
         "fleet-scale", "--bootstrap", kafka_bootstrap, "--workers", "6", "--steps", "3,6", "--seconds", "1.5",
         "--request-blocks", "16", "--device-blocks", "64", "--host-blocks", "128", "--disk-blocks", "256",
         "--restarts-per-s", "2", "--partitions", "4", "--route-rate", "100", "--lag-bound-ms", "60000",
-        "--seed", "7", "--json",
+        "--shards", str(shards), "--seed", "7", "--json",
     ]
     result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -110,19 +155,19 @@ def test_fleet_scale_bench_replica_equals_the_reference_fold(kafka_bootstrap: st
     out = json.loads(lines[0])
     assert out["steps_played"] == [3, 6]
 
-    # The same records, regenerated from the spec, folded by the reference index.
-    load = FleetLoad(LoadSpec("", "", 4, PROFILE, seconds=1.5, restarts_per_s=2.0, seed=7))
-    ref, epochs = ReferenceIndex(), {}
+    # The same records, regenerated from the spec, each shard's folded by a reference
+    # index of its own.
+    load = FleetLoad(LoadSpec("", ("",) * shards, 4, PROFILE, 1.5, 2.0, 7))
+    refs = [ReferenceIndex() for _ in range(shards)]
+    epochs: list[dict[int, int]] = [{} for _ in range(shards)]
     offered = 0
     for n in out["steps_played"]:
-        offered += reference_fold(load.join(n)[0], ref, epochs)
-        ticks, _ = load.play()
-        for records in ticks:
-            offered += reference_fold(records, ref, epochs)
-    assert not +ref.counters
-    assert out["index_digest"] == reference_digest(ref)
+        for records in [load.join(n), *load.play()[0]]:
+            offered += sum(reference_fold(records, refs[k], epochs[k], shard=k) for k in range(shards))
+    assert not any(+ref.counters for ref in refs)
+    assert out["index_digest"] == reference_digest(refs)
     assert out["events_offered"] == out["events_folded"] == offered
-    assert out["blocks_held"] == sum(len(b) for b in ref.blocks.values())
+    assert out["blocks_held"] == sum(len(b) for ref in refs for b in ref.blocks.values())
 
     for row in out["steps"]:
         # Offered at the rate derived (restarts lower it: a fresh pool evicts nothing).
@@ -131,7 +176,13 @@ def test_fleet_scale_bench_replica_equals_the_reference_fold(kafka_bootstrap: st
         # fraction of the step (not growing with it) and above the producer's linger.
         assert row["folded_block_events_per_s"] >= 0.7 * row["offered_block_events_per_s"], row
         assert 0 < row["lag_p50_ms"] <= row["lag_p99_ms"] < 1_000 * out["seconds_per_step"], row
-        assert row["routes"] > 0 and row["route_p50_us"] <= row["route_p99_us"]
         assert row["blocks_held"] <= row["workers"] * (64 + 128 + 256)
+        if shards == 1:
+            assert row["routes"] > 0 and row["route_p50_us"] <= row["route_p99_us"]
+        else:
+            assert len(row["by_shard"]) == shards
+            assert sum(s["block_events"] for s in row["by_shard"]) == row["block_events"]
+            assert sum(s["blocks_held"] for s in row["by_shard"]) == row["blocks_held"]
+            assert all(s["folded_block_events_per_s"] > 0 for s in row["by_shard"])
     assert out["workers_followed"] in (0, 3, 6)
-    assert out["route_errors"] == 0
+    assert out["route_errors"] == (0 if shards == 1 else None)
