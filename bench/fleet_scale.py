@@ -23,7 +23,8 @@ workers that join publish their full state as a resync does (``cleared``, then t
 tiers filled: untimed), then every active worker plays ``--seconds`` of its stream,
 generated first and produced paced, each linger's records at their moment. Per step:
 offered block events/s (as produced) against the target, folded block events/s (from the
-first record produced to the moment the replica has read the last), lag (per record, the
+first record produced to the moment the replica has read the last) and per CPU second of
+the replica's process (routes taken out: what other jobs on the machine do not inflate), lag (per record, the
 moment the fold applied it minus the record's timestamp), the route latency of
 ``replica.route`` called ``--route-rate`` times a second meanwhile, RSS and blocks held.
 A step *follows* when its lag p99 is at most ``--lag-bound-ms`` and the replica folded
@@ -401,6 +402,8 @@ class Follower:
         self.clock = ApplyClock(self.replica.fold.apply_record)
         self.replica.fold.apply_record = self.clock  # type: ignore[method-assign]
         self.replica.start()
+        #: When the lag samples were last cleared, and the process's CPU time then.
+        self.since, self.cpu0 = time.time(), time.process_time()
 
     def settle(self, timeout: float) -> None:
         wait_settled(self.replica, self.settings, timeout, "replica reading the empty log")
@@ -411,21 +414,26 @@ class Follower:
 
     def caught_up(self, timeout: float, desc: str, clear: bool = False) -> float:
         """Wait until the replica has read its topic to the end; returns when it had
-        (``time.time()``). ``clear``: then drop the lag samples noted so far."""
+        (``time.time()``). ``clear``: then drop the lag samples noted so far and start
+        counting CPU time again."""
         done_at = wait_applied(self.replica, high_watermarks(self.settings), timeout, desc)
         if clear:
             self.clock.samples = []
+            self.since, self.cpu0 = time.time(), time.process_time()
         return done_at
 
     def measure(self) -> dict[str, Any]:
-        """Lags (ms) of the records applied since the last clear, events applied since
-        the start, blocks held and memory."""
+        """Lags (ms) of the records applied and this process's CPU seconds (every
+        thread: the Kafka client's, the fold's, routes where it routes) since the last
+        clear; events applied since the start; blocks held and memory."""
         replica = self.replica
         with replica.lock:
             blocks = sum(sum(tiers.values()) for tiers in replica.router.tree_sizes().values())
             index_bytes = replica.router.index_heap_bytes()
         return {
             "lags_ms": [applied * 1000 - ts for ts, applied in self.clock.samples],
+            "cpu_s": time.process_time() - self.cpu0,
+            "since": self.since,
             "applied_events": self.clock.applied_events,
             "blocks_held": blocks,
             "index_bytes": index_bytes,
@@ -475,6 +483,8 @@ class RouteClock:
         self.replica, self.interval = replica, 1 / rate
         self.prompts: list[list[int]] = []
         self.samples: list[tuple[float, int]] = []
+        #: (when it ended, CPU ns of this thread) per route, to take out of the process's.
+        self.cpu: list[tuple[float, int]] = []
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-route", daemon=True)
@@ -489,17 +499,22 @@ class RouteClock:
             prompts = self.prompts
             if not prompts:
                 continue
-            t0 = clock()
+            t0, c0 = clock(), time.thread_time_ns()
             try:
                 self.replica.route(prompts[k % len(prompts)], query_only=True)
             except Exception:  # counted: a route that fails is a finding, not a crash
                 self.errors += 1
                 continue
-            self.samples.append((time.time(), clock() - t0))
+            now = time.time()
+            self.samples.append((now, clock() - t0))
+            self.cpu.append((now, time.thread_time_ns() - c0))
             k += 1
 
     def window(self, t0: float, t1: float) -> list[int]:
         return [ns for t, ns in self.samples if t0 <= t <= t1]
+
+    def cpu_s(self, t0: float, t1: float) -> float:
+        return sum(ns for t, ns in self.cpu if t0 <= t <= t1) / 1e9
 
     def stop(self) -> None:
         self._stop.set()
@@ -697,6 +712,9 @@ def _step_row(
     lags = _lag_figures([lag for m in measured for lag in m["lags_ms"]])
     blocks = sum(m["blocks_held"] for m in measured)
     rss = sum(m["rss_bytes"] for m in measured)
+    # The replicas' CPU, less the routes' where they ran in the replica's process: the
+    # fold's cost per event, which other jobs on the machine do not inflate.
+    cpu_s = sum(m["cpu_s"] for m in measured) - (route.cpu_s(measured[0]["since"], time.time()) if route else 0.0)
     row: dict[str, Any] = {
         "workers": n,
         "target_block_events_per_s": round(target),
@@ -710,6 +728,8 @@ def _step_row(
         "restarts": step["restarts"],
         "catch_up_s": round(max(0.0, max(done) - step["t1"]), 3),
         **lags,
+        "replica_cpu_s": round(cpu_s, 3),
+        "folded_block_events_per_cpu_s": round(step["block_events"] / cpu_s),
         "rss_bytes": rss,
         "blocks_held": blocks,
         "index_bytes_per_block": round(sum(m["index_bytes"] for m in measured) / blocks, 1),
@@ -731,6 +751,8 @@ def _step_row(
                 "block_events": events,
                 "folded_block_events_per_s": round(events / (at - t0)),
                 **_lag_figures(m["lags_ms"]),
+                "cpu_s": round(m["cpu_s"], 3),
+                "folded_block_events_per_cpu_s": round(events / m["cpu_s"]),
                 "blocks_held": m["blocks_held"],
                 "rss_bytes": m["rss_bytes"],
             }
@@ -746,6 +768,7 @@ def _brief(row: dict[str, Any]) -> str:
     )
     return (
         f"offered {row['offered_block_events_per_s']:,}/s (target {row['target_block_events_per_s']:,}), "
-        f"folded {row['folded_block_events_per_s']:,}/s, lag p99 {row['lag_p99_ms']:,} ms, "
+        f"folded {row['folded_block_events_per_s']:,}/s ({row['folded_block_events_per_cpu_s']:,} per replica CPU-s), "
+        f"lag p99 {row['lag_p99_ms']:,} ms, "
         f"route p99 {row['route_p99_us']} µs, {'followed' if row['followed'] else 'NOT followed'}{shards}"
     )
