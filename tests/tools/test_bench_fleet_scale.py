@@ -131,6 +131,8 @@ def test_shards_split_the_same_blocks_by_chain_root() -> None:
     (["--workers", "0"], "--workers must be at least 1"),
     (["--workers", "4", "--steps", "2,3"], "ending at --workers"),
     (["--workers", "4", "--device-blocks", "8"], "at least one request"),
+    (["--workers", "4", "--shards", "0"], "must be positive"),
+    (["--workers", "4", "--steps", "2,x,4"], "worker counts separated by commas"),
 ])
 def test_bad_input_is_refused_before_any_broker_starts(args: list[str], message: str) -> None:
     result = CliRunner().invoke(bench, ["fleet-scale", *args, "--json"])
