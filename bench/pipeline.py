@@ -196,7 +196,7 @@ def _fleet_main(factory: Callable[[Any], Any], spec: Any, conn: Connection, logg
 
 
 class FleetProcess:
-    """The publishers in a child process (spawned: the parent holds Kafka clients'
+    """A bench's publishers (or replicas) in a child process (spawned: the parent holds Kafka clients'
     threads, which must not be forked): ``factory(spec)`` there (a module-level class,
     default the pipeline's fleet), whose methods :meth:`call` runs; it has a ``close``."""
 
@@ -204,7 +204,8 @@ class FleetProcess:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_fleet_main, args=(factory, spec, child, current_logging()), name="kvstream-bench-fleet", daemon=True
+            target=_fleet_main, args=(factory, spec, child, current_logging()),
+            name=f"kvstream-bench-{factory.__name__}", daemon=True,
         )
         self._proc.start()
         child.close()
@@ -213,10 +214,10 @@ class FleetProcess:
     def answer(self, timeout: float) -> Any:
         """The answer to the command sent last (:meth:`send`)."""
         if not self._conn.poll(timeout):
-            raise click.ClickException(f"the publisher process did not answer within {timeout:.0f}s")
+            raise click.ClickException(f"the child process ({self._proc.name}) did not answer within {timeout:.0f}s")
         status, value = self._conn.recv()
         if status != "ok":
-            raise click.ClickException(f"publisher process failed: {value}")
+            raise click.ClickException(f"the child process ({self._proc.name}) failed: {value}")
         return value
 
     def send(self, cmd: str, *args: Any) -> None:
