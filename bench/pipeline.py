@@ -196,9 +196,10 @@ def _fleet_main(factory: Callable[[Any], Any], spec: Any, conn: Connection, logg
 
 
 class FleetProcess:
-    """A bench's publishers (or replicas) in a child process (spawned: the parent holds Kafka clients'
-    threads, which must not be forked): ``factory(spec)`` there (a module-level class,
-    default the pipeline's fleet), whose methods :meth:`call` runs; it has a ``close``."""
+    """A bench's publishers (or replicas) in a child process (spawned: the parent holds
+    Kafka clients' threads, which must not be forked): ``factory(spec)`` there (a
+    module-level class, default the pipeline's fleet), whose methods :meth:`call` runs;
+    it has a ``close``."""
 
     def __init__(self, spec: Any, factory: Callable[[Any], Any] = _Fleet) -> None:
         ctx = mp.get_context("spawn")
