@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "ingest": "bench.ingest:ingest_bench",
     "emulate": "bench.emulate:emulate_bench",
     "fleet": "bench.fleet:fleet_bench",
+    "fleet-scale": "bench.fleet_scale:fleet_scale_bench",
 }
 
 

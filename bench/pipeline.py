@@ -37,6 +37,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvstream.events.model import Tier
 from kvstream.kafka.config import consumer_config
+from kvstream.logs import configure_logging, current_logging
 from kvstream.replica.fold import Outcome
 from kvstream.replica.replica import Replica
 from kvstream.settings import Settings, TopicSettings
@@ -173,11 +174,13 @@ class _Fleet:
             w.publisher.close()
 
 
-def _fleet_main(spec: FleetSpec, conn: Connection) -> None:
+def _fleet_main(factory: Callable[[Any], Any], spec: Any, conn: Connection, logging: tuple[str, str]) -> None:
     """Child process: run the fleet's commands from the parent until told to stop."""
+    # A spawned process logs to stdout until configured: into the parent's --json answer.
+    configure_logging(*logging)
     fleet = None
     try:
-        fleet = _Fleet(spec)
+        fleet = factory(spec)
         conn.send(("ok", None))
         while True:
             cmd, *args = conn.recv()
@@ -193,28 +196,39 @@ def _fleet_main(spec: FleetSpec, conn: Connection) -> None:
 
 
 class FleetProcess:
-    """The publishers in a child process (spawned: the parent holds Kafka clients'
-    threads, which must not be forked)."""
+    """A bench's publishers (or replicas) in a child process (spawned: the parent holds
+    Kafka clients' threads, which must not be forked): ``factory(spec)`` there (a
+    module-level class, default the pipeline's fleet), whose methods :meth:`call` runs;
+    it has a ``close``."""
 
-    def __init__(self, spec: FleetSpec) -> None:
+    def __init__(self, spec: Any, factory: Callable[[Any], Any] = _Fleet) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_fleet_main, args=(spec, child), name="kvstream-bench-fleet", daemon=True)
+        self._proc = ctx.Process(
+            target=_fleet_main, args=(factory, spec, child, current_logging()),
+            name=f"kvstream-bench-{factory.__name__}", daemon=True,
+        )
         self._proc.start()
         child.close()
-        self._answer(300)
+        self.answer(300)
 
-    def _answer(self, timeout: float) -> Any:
+    def answer(self, timeout: float) -> Any:
+        """The answer to the command sent last (:meth:`send`)."""
         if not self._conn.poll(timeout):
-            raise click.ClickException(f"the publisher process did not answer within {timeout:.0f}s")
+            raise click.ClickException(f"the child process ({self._proc.name}) did not answer within {timeout:.0f}s")
         status, value = self._conn.recv()
         if status != "ok":
-            raise click.ClickException(f"publisher process failed: {value}")
+            raise click.ClickException(f"the child process ({self._proc.name}) failed: {value}")
         return value
 
-    def call(self, cmd: str, *args: Any, timeout: float = 600) -> dict[str, Any]:
+    def send(self, cmd: str, *args: Any) -> None:
+        """Start ``cmd`` in the child; :meth:`answer` waits for its result (the parent
+        may drive several children at once meanwhile)."""
         self._conn.send((cmd, *args))
-        return self._answer(timeout)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 600) -> Any:
+        self.send(cmd, *args)
+        return self.answer(timeout)
 
     def close(self) -> None:
         if self._proc.is_alive():
@@ -233,12 +247,14 @@ class FleetProcess:
 
 class ApplyClock:
     """Wraps a fold's ``apply_record`` to note, per record, its timestamp and the wall
-    time at which applying it finished (only while ``on``)."""
+    time at which applying it finished, and to count the events it applied (only while
+    ``on``)."""
 
     def __init__(self, apply: Callable[..., Outcome]) -> None:
         self._apply = apply
         self.on = False
         self.samples: list[tuple[int, float]] = []
+        self.applied_events = 0
 
     def __call__(
         self, partition: int, offset: int, timestamp_ms: int, value: bytes | None, is_tick: bool = False,
@@ -247,6 +263,7 @@ class ApplyClock:
         out = self._apply(partition, offset, timestamp_ms, value, is_tick, key, problem)
         if self.on and not is_tick:
             self.samples.append((timestamp_ms, time.time()))
+            self.applied_events += out.applied_events
         return out
 
 

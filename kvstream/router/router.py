@@ -182,6 +182,11 @@ class Router:
         """A worker rank's blocks on a tier: block hash → sequence hash (read-only)."""
         return self._index.blocks(key, tier)
 
+    def index_heap_bytes(self) -> int:
+        """Bytes the index's tables take (TieredIndex.heap_bytes): a replica's memory per
+        block, without the process around it."""
+        return self._index.heap_bytes()
+
     def find_matches_by_tier(
         self, local_hashes: Sequence[int], seq_hashes: Sequence[int] | None = None
     ) -> dict[WorkerKey, TierOverlap]:
