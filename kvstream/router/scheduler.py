@@ -149,6 +149,8 @@ class Candidate(NamedTuple):
     active_requests: int
     #: Blocks of this request that the worker does not already hold for running requests.
     new_blocks: int
+    #: Active requests past their first token (decoding): those a prefill there delays.
+    decoding_requests: int
 
 
 class LogitTerms(NamedTuple):
@@ -178,6 +180,7 @@ class CandidateScore(NamedTuple):
     new_blocks: int
     decode_blocks: int
     active_requests: int
+    decoding_requests: int
     request_cost: float
     logit: float
     #: Chance of being chosen (0 for excluded candidates).
@@ -194,16 +197,17 @@ class Candidates:
     workers: tuple[WorkerKey, ...]
     #: (n, 5): device, host_pinned, disk, external, expected blocks credited.
     overlaps: np.ndarray
-    #: (n, 5): has load entry (0/1), active prefill tokens, active decode blocks,
-    #: active requests, new blocks.
+    #: (n, 6): has load entry (0/1), active prefill tokens, active decode blocks,
+    #: active requests, new blocks, decoding requests.
     loads: np.ndarray
 
     def __len__(self) -> int:
         return len(self.workers)
 
     def __getitem__(self, i: int) -> Candidate:
-        has_load, apt, adb, reqs, new = self.loads[i].tolist()
-        return Candidate(self.workers[i], TierOverlap(*self.overlaps[i].tolist()), bool(has_load), apt, adb, reqs, new)
+        has_load, apt, adb, reqs, new, decoding = self.loads[i].tolist()
+        return Candidate(self.workers[i], TierOverlap(*self.overlaps[i].tolist()), bool(has_load), apt, adb, reqs, new,
+                         decoding)
 
 
 class LogitColumns(NamedTuple):
@@ -256,6 +260,7 @@ class Schedule:
             c.new_blocks,
             t.decode_blocks,
             c.active_requests,
+            c.decoding_requests,
             t.request_cost,
             t.logit,
             self.probabilities[i],
