@@ -38,7 +38,9 @@ their decodes, so each of them takes that much longer to finish
 request's TTFT). Those still prefilling (before their first token, the PREFILL_DONE
 op) do not: the engine schedules running requests first, so they are ahead of it and
 already in ``ahead``; a prefill-only worker of a disaggregated fleet has no decoding
-request at all. Prefill moved to an idle worker costs no one else; prefill recomputed
+request at all. (A request whose first token the gateway cannot see, a non-streamed
+answer, stays in ``ahead`` until it ends, as §5 counts it, and is charged there, not
+here.) Prefill moved to an idle worker costs no one else; prefill recomputed
 beside running requests, instead of found in a busy worker's cache, costs each of them
 (system prompts shared by many users at 3×: end-to-end p99 410 ms with the weight at 0,
 260 ms at 1, for 0.8 point of cached share).
