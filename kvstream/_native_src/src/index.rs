@@ -4,22 +4,27 @@
 //! property tests check it against.
 //!
 //! A block's position is its chained sequence hash, computed here from the parent's
-//! sequence hash. `owners` maps a position to, per tier, the bitmask of the worker slots
-//! holding it (one map per group of 64 slots; all tiers in one entry, so that matching
-//! costs one lookup per prompt position). Each slot has, per tier, a reverse map from its
-//! block hashes to positions (table.rs), so that removing a block or a worker costs
-//! O(its blocks).
+//! sequence hash. Per tier, `owners` maps a position to the bitmask of the worker slots
+//! holding it there (one table per group of 64 slots; a table per tier stores no empty
+//! masks: 16 bytes an entry where one entry of all four tiers took 40). Each slot has,
+//! per tier, a reverse map from its block hashes to positions, so that removing a block
+//! or a worker costs O(its blocks). All are table.rs tables.
 //! A slot holds a position while at least one of its block hashes maps there; the rare
 //! second identity at one position (an alias) is counted in a side map.
+//!
+//! Snapshots (kvstream/replica/snapshot.py) hold each slot's reverse tables as raw
+//! arrays (`export_tables`, `WorkerTables`): a restore copies them and then builds the
+//! owners tables they imply in one sorted pass per group and tier (`install`), instead
+//! of one insert per block into each.
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::expect::Expect;
-use crate::table::Table;
+use crate::table::{mix, unmix, Table};
 use crate::{chain, sequence_of, u64_at};
 
 /// Keys are hashes (or small engine ids): one splitmix64 finalizer spreads them well
@@ -50,9 +55,6 @@ const TIERS: usize = 4;
 /// What matching credits per slot: the tiers in order, then the expected blocks
 /// (expect.rs), which continue a prefix where the stored tiers stop.
 pub(crate) const COLS: usize = TIERS + 1;
-/// Per tier, the bitmask of the slots (of one group of 64) holding a position.
-type Masks = [u64; TIERS];
-type Owners = Map<u64, Masks>;
 /// Prompt positions looked up at once while matching.
 const LOOKAHEAD: usize = 16;
 
@@ -61,27 +63,29 @@ const STORED: u8 = 0;
 const INVALID: u8 = 1;
 const PARENT_NOT_FOUND: u8 = 2;
 
-/// One tier's reverse maps.
+/// One tier's maps.
 #[derive(Default)]
 struct Tier {
     /// Per slot: block hash → position.
     blocks: Vec<Table<u64>>,
+    /// Per group of 64 slots: position → bitmask of the slots holding it on this tier.
+    owners: Vec<Table<u64>>,
     /// slot → {position: identities beyond the first}.
     aliases: Map<u64, Map<u64, u32>>,
 }
 
-/// Clear `bit` from tier `t` of position `s`, dropping the entry when nothing is left.
-fn clear_bit(owners: &mut Owners, t: usize, bit: u64, s: u64) {
+/// Clear `bit` from position `s`, dropping the entry when no slot is left.
+fn clear_bit(owners: &mut Table<u64>, bit: u64, s: u64) {
     if let Some(m) = owners.get_mut(&s) {
-        m[t] &= !bit;
-        if m.iter().all(|&x| x == 0) {
+        *m &= !bit;
+        if *m == 0 {
             owners.remove(&s);
         }
     }
 }
 
-/// Release one identity of `slot` at position `s` on tier `t`.
-fn release(owners: &mut Owners, aliases: &mut Map<u64, Map<u64, u32>>, t: usize, slot: usize, bit: u64, s: u64) {
+/// Release one identity of `slot` at position `s`.
+fn release(owners: &mut Table<u64>, aliases: &mut Map<u64, Map<u64, u32>>, slot: usize, bit: u64, s: u64) {
     if let Some(al) = aliases.get_mut(&(slot as u64)) {
         if let Some(extra) = al.get_mut(&s) {
             if *extra == 1 {
@@ -95,7 +99,7 @@ fn release(owners: &mut Owners, aliases: &mut Map<u64, Map<u64, u32>>, t: usize,
             return;
         }
     }
-    clear_bit(owners, t, bit, s);
+    clear_bit(owners, bit, s);
 }
 
 impl Tier {
@@ -103,10 +107,12 @@ impl Tier {
         if self.blocks.len() <= slot {
             self.blocks.resize_with(slot + 1, Table::default);
         }
+        if self.owners.len() <= slot / 64 {
+            self.owners.resize_with(slot / 64 + 1, Table::default);
+        }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn store(&mut self, owners: &mut Owners, expect: &mut Expect, t: usize, slot: usize, parent: Option<u64>, hashes: &[u64], tokens: &[u64]) -> u8 {
+    fn store(&mut self, expect: &mut Expect, slot: usize, parent: Option<u64>, hashes: &[u64], tokens: &[u64]) -> u8 {
         let n = hashes.len();
         if n == 0 || n != tokens.len() {
             return INVALID;
@@ -135,6 +141,7 @@ impl Tier {
         let seqs = sequence_of(tokens, parent_seq);
         let bit = 1u64 << (slot % 64);
         let blocks = &mut self.blocks[slot];
+        let owners = &mut self.owners[slot / 64];
         let aliases = &mut self.aliases;
         for (&bh, &s) in hashes.iter().zip(&seqs) {
             expect.drop_position(slot, s); // confirmed: the index holds it now
@@ -142,29 +149,30 @@ impl Tier {
                 if old == s {
                     continue; // stored again at the same position: nothing changes
                 }
-                release(owners, aliases, t, slot, bit, old); // the identity moved
+                release(owners, aliases, slot, bit, old); // the identity moved
             }
-            let m = owners.entry(s).or_insert([0; TIERS]);
-            if m[t] & bit != 0 {
+            let m = owners.entry(s);
+            if *m & bit != 0 {
                 *aliases.entry(slot as u64).or_default().entry(s).or_insert(0) += 1;
             } else {
-                m[t] |= bit;
+                *m |= bit;
             }
         }
         STORED
     }
 
-    fn remove(&mut self, owners: &mut Owners, t: usize, slot: usize, hashes: &[u64]) -> usize {
+    fn remove(&mut self, slot: usize, hashes: &[u64]) -> usize {
         if slot >= self.blocks.len() || self.blocks[slot].is_empty() {
             return hashes.len();
         }
         let bit = 1u64 << (slot % 64);
         let blocks = &mut self.blocks[slot];
+        let owners = &mut self.owners[slot / 64];
         let mut unknown = 0;
         for bh in hashes {
             match blocks.remove(bh) {
                 None => unknown += 1,
-                Some(s) => release(owners, &mut self.aliases, t, slot, bit, s),
+                Some(s) => release(owners, &mut self.aliases, slot, bit, s),
             }
         }
         if blocks.is_empty() {
@@ -173,7 +181,7 @@ impl Tier {
         unknown
     }
 
-    fn drop_slot(&mut self, owners: &mut Owners, t: usize, slot: usize) {
+    fn drop_slot(&mut self, slot: usize) {
         if slot >= self.blocks.len() {
             return;
         }
@@ -181,45 +189,38 @@ impl Tier {
         let blocks = std::mem::take(&mut self.blocks[slot]);
         self.aliases.remove(&(slot as u64));
         for s in blocks.values() {
-            clear_bit(owners, t, bit, s);
+            clear_bit(&mut self.owners[slot / 64], bit, s);
         }
     }
 
-    /// Install a slot's blocks as exported (a snapshot); the slot must hold none here.
-    fn import(&mut self, owners: &mut Owners, expect: &mut Expect, t: usize, slot: usize, hashes: &[u64], seqs: &[u64]) -> Result<(), String> {
-        if hashes.len() != seqs.len() {
-            return Err(format!("{} block hashes but {} sequence hashes", hashes.len(), seqs.len()));
+    /// Build the owners table of a group, and its slots' aliases, from the slots' reverse
+    /// tables (a restore installed them whole): every (position, slot) sorted once, each
+    /// position's slots ORed, a slot's repeats counted as aliases.
+    fn rebuild_owners(&mut self, group: usize) {
+        self.ensure(group * 64);
+        let slots = group * 64..self.blocks.len().min(group * 64 + 64);
+        let total = slots.clone().map(|slot| self.blocks[slot].len()).sum();
+        let mut held: Vec<(u64, u8)> = Vec::with_capacity(total);
+        for slot in slots.clone() {
+            self.aliases.remove(&(slot as u64));
+            held.extend(self.blocks[slot].values().map(|s| (mix(s), (slot % 64) as u8)));
         }
-        if self.size(slot) > 0 {
-            return Err(format!("slot {slot} already holds blocks"));
-        }
-        if hashes.is_empty() {
-            return Ok(());
-        }
-        let mut blocks: Table<u64> = Table::default();
-        blocks.reserve(hashes.len());
-        for (&h, &s) in hashes.iter().zip(seqs) {
-            if blocks.insert(h, s).is_some() {
-                return Err("exported block hashes repeat".to_string());
+        held.sort_unstable();
+        let mut owners: Vec<(u64, u64)> = Vec::with_capacity(held.len());
+        for &(z, b) in &held {
+            let bit = 1u64 << b;
+            match owners.last_mut() {
+                Some((last, mask)) if *last == z => {
+                    if *mask & bit != 0 {
+                        let slot = (group * 64 + b as usize) as u64;
+                        *self.aliases.entry(slot).or_default().entry(unmix(z)).or_insert(0) += 1;
+                    }
+                    *mask |= bit;
+                }
+                _ => owners.push((z, bit)),
             }
         }
-        self.ensure(slot);
-        let bit = 1u64 << (slot % 64);
-        let mut aliases: Map<u64, u32> = Map::default();
-        for &s in seqs {
-            expect.drop_position(slot, s);
-            let m = owners.entry(s).or_insert([0; TIERS]);
-            if m[t] & bit != 0 {
-                *aliases.entry(s).or_insert(0) += 1;
-            } else {
-                m[t] |= bit;
-            }
-        }
-        if !aliases.is_empty() {
-            self.aliases.insert(slot as u64, aliases);
-        }
-        self.blocks[slot] = blocks;
-        Ok(())
+        self.owners[group] = Table::from_sorted(&owners);
     }
 
     fn size(&self, slot: usize) -> usize {
@@ -248,11 +249,154 @@ fn map_bytes(cap: usize, entry: usize) -> usize {
     cap * 8 / 7 * (entry + 1)
 }
 
+/// One worker's reverse tables per (rank, tier index), as a snapshot blob holds them
+/// (kvstream/replica/snapshot.py): checked when read, so that a damaged blob is refused
+/// before anything is installed, then moved into an index by `IndexCore.install`.
+/// Blob layout, little-endian: parts (u32), then per part its rank (u32), tier (u8),
+/// capacity (u64), whether block hash 0 is held (u8) and its position (u64), then the
+/// capacity's mixed keys and as many positions (table.rs's raw arrays).
+#[pyclass(module = "kvstream._native")]
+pub struct WorkerTables {
+    parts: Vec<(u32, usize, Table<u64>)>,
+    /// Installed: the tables were moved into an index.
+    taken: bool,
+}
+
+/// Reads a blob front to back; every read says what it was for when the blob is short.
+struct Reader<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], String> {
+        match self.at.checked_add(n) {
+            Some(end) if end <= self.data.len() => {
+                let out = &self.data[self.at..end];
+                self.at = end;
+                Ok(out)
+            }
+            _ => Err(format!("the blob ends inside {what} (byte {} of {})", self.at, self.data.len())),
+        }
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+    }
+
+    fn words(&mut self, n: u64, what: &str) -> Result<Vec<u64>, String> {
+        let bytes = usize::try_from(n).ok().and_then(|n| n.checked_mul(8)).ok_or_else(|| format!("{what}: {n} words"))?;
+        Ok(self.take(bytes, what)?.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+}
+
+impl WorkerTables {
+    fn read(data: &[u8], start: usize) -> Result<Self, String> {
+        let mut r = Reader { data, at: start };
+        let count = u32::from_le_bytes(r.take(4, "the part count")?.try_into().expect("4 bytes"));
+        let mut parts = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..count {
+            let head = r.take(5, "a part's header")?;
+            let rank = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+            let tier = usize::from(head[4]);
+            if tier >= TIERS {
+                return Err(format!("part {i}: tier index {tier} out of range"));
+            }
+            if !seen.insert((rank, tier)) {
+                return Err(format!("part {i}: rank {rank} tier {tier} appears twice"));
+            }
+            let cap = r.u64("a part's header")?;
+            let zero = match r.take(1, "a part's header")?[0] {
+                0 => None,
+                1 => Some(0),
+                b => return Err(format!("part {i}: zero-key flag {b} is neither 0 nor 1")),
+            };
+            let zero_value = r.u64("a part's header")?;
+            let keys = r.words(cap, "a table's keys")?;
+            let values = r.words(cap, "a table's values")?;
+            let table = Table::from_raw(keys, values, zero.map(|_| zero_value))
+                .map_err(|e| format!("rank {rank} tier {tier}: not a valid table: {e}"))?;
+            parts.push((rank, tier, table));
+        }
+        if r.at != data.len() {
+            return Err(format!("{} bytes after the last part", data.len() - r.at));
+        }
+        Ok(WorkerTables { parts, taken: false })
+    }
+
+    fn check_untaken(&self) -> PyResult<()> {
+        if self.taken {
+            return Err(PyValueError::new_err("these tables were installed already"));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl WorkerTables {
+    /// The tables of a blob from byte `start` on; ValueError saying what is wrong with
+    /// a damaged one.
+    #[staticmethod]
+    #[pyo3(signature = (data, start=0))]
+    fn parse(data: &[u8], start: usize) -> PyResult<Self> {
+        if start > data.len() {
+            return Err(PyValueError::new_err(format!("start {start} is past the blob's {} bytes", data.len())));
+        }
+        WorkerTables::read(data, start).map_err(PyValueError::new_err)
+    }
+
+    /// Tables of (rank, tier index, block hashes, positions) parts, built by insertion;
+    /// ValueError when a part's lists differ in length or a block hash repeats.
+    #[staticmethod]
+    fn from_lists(parts: Vec<(u32, usize, Vec<u64>, Vec<u64>)>) -> PyResult<Self> {
+        let mut out = Vec::with_capacity(parts.len());
+        for (rank, tier, hashes, seqs) in parts {
+            check_tier(tier)?;
+            if hashes.len() != seqs.len() {
+                return Err(PyValueError::new_err(format!("{} block hashes but {} sequence hashes", hashes.len(), seqs.len())));
+            }
+            let mut table = Table::default();
+            table.reserve(hashes.len());
+            for (&h, &s) in hashes.iter().zip(&seqs) {
+                if table.insert(h, s).is_some() {
+                    return Err(PyValueError::new_err("exported block hashes repeat"));
+                }
+            }
+            out.push((rank, tier, table));
+        }
+        Ok(WorkerTables { parts: out, taken: false })
+    }
+
+    /// (rank, tier index) of each part, in order.
+    fn keys(&self) -> PyResult<Vec<(u32, usize)>> {
+        self.check_untaken()?;
+        Ok(self.parts.iter().map(|(r, t, _)| (*r, *t)).collect())
+    }
+
+    /// Per part: (rank, tier index, block hashes, positions), aligned.
+    #[allow(clippy::type_complexity)]
+    fn lists(&self) -> PyResult<Vec<(u32, usize, Vec<u64>, Vec<u64>)>> {
+        self.check_untaken()?;
+        Ok(self
+            .parts
+            .iter()
+            .map(|(r, t, table)| {
+                let (h, s): (Vec<u64>, Vec<u64>) = table.iter().unzip();
+                (*r, *t, h, s)
+            })
+            .collect())
+    }
+
+    /// Blocks over every part.
+    fn blocks(&self) -> usize {
+        self.parts.iter().map(|(_, _, t)| t.len()).sum()
+    }
+}
+
 /// Every tier of every worker slot. Slots are small ints assigned by the Python side.
 #[pyclass(module = "kvstream._native")]
 pub struct IndexCore {
-    /// Per group of 64 slots: position → per-tier masks.
-    owners: Vec<Owners>,
     tiers: [Tier; TIERS],
     /// Per group of 64 slots: the slots in use.
     known: Vec<u64>,
@@ -279,12 +423,11 @@ impl IndexCore {
     /// (the walk's rule for one slot: the device prefix, continued on each lower tier in
     /// turn).
     pub(crate) fn held_prefix(&self, slot: usize, seqs: &[u64]) -> usize {
-        let Some(owners) = self.owners.get(slot / 64) else { return 0 };
         let bit = 1u64 << (slot % 64);
+        let held = |t: usize, s: &u64| self.tiers[t].owners.get(slot / 64).and_then(|o| o.get(s)).is_some_and(|m| m & bit != 0);
         let mut t = 0;
         for (i, s) in seqs.iter().enumerate() {
-            let m = owners.get(s).copied().unwrap_or([0; TIERS]);
-            while t < TIERS && m[t] & bit == 0 {
+            while t < TIERS && !held(t, s) {
                 t += 1;
             }
             if t == TIERS {
@@ -292,14 +435,6 @@ impl IndexCore {
             }
         }
         seqs.len()
-    }
-
-    fn owners_of(&mut self, slot: usize) -> &mut Owners {
-        let group = slot / 64;
-        if self.owners.len() <= group {
-            self.owners.resize_with(group + 1, Owners::default);
-        }
-        &mut self.owners[group]
     }
 }
 
@@ -311,7 +446,7 @@ impl IndexCore {
     #[pyo3(signature = (expected_ttl_s=120.0, expected_cap=65_536))]
     fn new(expected_ttl_s: f64, expected_cap: usize) -> PyResult<Self> {
         check_ttl(expected_ttl_s)?;
-        Ok(IndexCore { owners: Vec::new(), tiers: Default::default(), known: Vec::new(), expect: Expect::new(expected_ttl_s, expected_cap) })
+        Ok(IndexCore { tiers: Default::default(), known: Vec::new(), expect: Expect::new(expected_ttl_s, expected_cap) })
     }
 
     /// Mark a slot in use (a candidate for matching).
@@ -321,7 +456,9 @@ impl IndexCore {
             self.known.resize(group + 1, 0);
         }
         self.known[group] |= 1u64 << (slot % 64);
-        self.owners_of(slot);
+        for tier in &mut self.tiers {
+            tier.ensure(slot);
+        }
     }
 
     /// Forget every block and expectation of the slot and free it: O(its blocks).
@@ -343,9 +480,8 @@ impl IndexCore {
     /// events stopped: what routing predicts of it is the load log's, not the events'); it
     /// stays in use.
     fn drop_blocks(&mut self, slot: usize) {
-        let Some(owners) = self.owners.get_mut(slot / 64) else { return };
-        for (t, tier) in self.tiers.iter_mut().enumerate() {
-            tier.drop_slot(owners, t, slot);
+        for tier in &mut self.tiers {
+            tier.drop_slot(slot);
         }
     }
 
@@ -367,8 +503,7 @@ impl IndexCore {
         if tier == 0 {
             self.expect.clear(slot);
         }
-        let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(()) };
-        self.tiers[tier].drop_slot(owners, tier, slot);
+        self.tiers[tier].drop_slot(slot);
         Ok(())
     }
 
@@ -435,16 +570,13 @@ impl IndexCore {
         tokens_hashes: Vec<u64>,
     ) -> PyResult<u8> {
         check_tier(tier)?;
-        self.owners_of(slot);
-        let owners = &mut self.owners[slot / 64];
-        Ok(self.tiers[tier].store(owners, &mut self.expect, tier, slot, parent, &block_hashes, &tokens_hashes))
+        Ok(self.tiers[tier].store(&mut self.expect, slot, parent, &block_hashes, &tokens_hashes))
     }
 
     /// Apply a removed event; returns how many block hashes were not held (skipped).
     fn remove(&mut self, tier: usize, slot: usize, block_hashes: Vec<u64>) -> PyResult<usize> {
         check_tier(tier)?;
-        let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(block_hashes.len()) };
-        Ok(self.tiers[tier].remove(owners, tier, slot, &block_hashes))
+        Ok(self.tiers[tier].remove(slot, &block_hashes))
     }
 
     /// `store` with the hashes still packed in a message (kvstream/events/codec.py's
@@ -464,17 +596,14 @@ impl IndexCore {
     ) -> PyResult<u8> {
         check_tier(tier)?;
         let (hashes, tokens) = (packed_words(data, blocks_at, count)?, packed_words(data, tokens_at, count)?);
-        self.owners_of(slot);
-        let owners = &mut self.owners[slot / 64];
-        Ok(self.tiers[tier].store(owners, &mut self.expect, tier, slot, parent, &hashes, &tokens))
+        Ok(self.tiers[tier].store(&mut self.expect, slot, parent, &hashes, &tokens))
     }
 
     /// `remove` with the hashes still packed in a message (see `store_packed`).
     fn remove_packed(&mut self, tier: usize, slot: usize, data: &[u8], at: usize, count: usize) -> PyResult<usize> {
         check_tier(tier)?;
         let hashes = packed_words(data, at, count)?;
-        let Some(owners) = self.owners.get_mut(slot / 64) else { return Ok(count) };
-        Ok(self.tiers[tier].remove(owners, tier, slot, &hashes))
+        Ok(self.tiers[tier].remove(slot, &hashes))
     }
 
     /// Blocks the slot holds over every tier.
@@ -497,63 +626,76 @@ impl IndexCore {
             .unwrap_or_default())
     }
 
-    /// Install a slot's blocks on a tier as `export` gave them; the slot must hold no
-    /// block on that tier. Nothing is installed on error.
-    fn import_blocks(
-        &mut self,
-        tier: usize,
-        slot: usize,
-        block_hashes: Vec<u64>,
-        seq_hashes: Vec<u64>,
-    ) -> PyResult<()> {
-        check_tier(tier)?;
-        self.owners_of(slot);
-        let owners = &mut self.owners[slot / 64];
-        self.tiers[tier]
-            .import(owners, &mut self.expect, tier, slot, &block_hashes, &seq_hashes)
-            .map_err(PyValueError::new_err)
+    /// A worker's snapshot blob body (`WorkerTables`' layout): the raw reverse table of
+    /// each (rank, tier index, slot) part, in the order given.
+    fn export_tables<'py>(&self, py: Python<'py>, parts: Vec<(u32, usize, usize)>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&u32::try_from(parts.len()).map_err(|_| PyValueError::new_err("too many parts"))?.to_le_bytes());
+        let none = Table::default();
+        for (rank, tier, slot) in parts {
+            check_tier(tier)?;
+            let (keys, values, zero) = self.tiers[tier].blocks.get(slot).unwrap_or(&none).raw();
+            out.extend_from_slice(&rank.to_le_bytes());
+            out.push(tier as u8);
+            out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+            out.push(u8::from(zero.is_some()));
+            out.extend_from_slice(&zero.unwrap_or(0).to_le_bytes());
+            out.reserve(keys.len() * 16);
+            out.extend(keys.iter().flat_map(|k| k.to_le_bytes()));
+            out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        Ok(PyBytes::new(py, &out))
     }
 
-    /// `import_blocks` straight from a snapshot blob (kvstream/replica/snapshot.py's
-    /// layout): `n` little-endian u64 block hashes at byte `start` of `data`, then their
-    /// `n` sequence hashes. A restart spent a fifth of its time turning blobs into Python
-    /// lists and more extracting them again; this reads the bytes once.
-    fn import_packed(&mut self, tier: usize, slot: usize, data: &[u8], start: usize, n: usize) -> PyResult<()> {
-        check_tier(tier)?;
-        let end = n.checked_mul(16).and_then(|len| len.checked_add(start));
-        if end.is_none_or(|end| end > data.len()) {
-            return Err(PyValueError::new_err(format!(
-                "{n} packed blocks at byte {start} overrun a blob of {} bytes",
-                data.len()
-            )));
+    /// Install workers' tables, each part at the slot given for it (in `keys()` order),
+    /// then build the owners tables of the groups they join. Every check comes first
+    /// (the slots hold nothing on those tiers, no slot twice, no tables installed
+    /// already): on error nothing is installed.
+    fn install(&mut self, workers: Vec<(PyRefMut<'_, WorkerTables>, Vec<usize>)>) -> PyResult<()> {
+        let mut taken = std::collections::HashSet::new();
+        for (tables, slots) in &workers {
+            tables.check_untaken()?;
+            if slots.len() != tables.parts.len() {
+                return Err(PyValueError::new_err(format!("{} slots for {} parts", slots.len(), tables.parts.len())));
+            }
+            for (&slot, (_, tier, _)) in slots.iter().zip(&tables.parts) {
+                if self.tiers[*tier].size(slot) > 0 || !taken.insert((slot, *tier)) {
+                    return Err(PyValueError::new_err(format!("slot {slot} already holds blocks on tier {tier}")));
+                }
+            }
         }
-        let words = |at: usize| -> Vec<u64> {
-            data[at..at + 8 * n]
-                .chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
-                .collect()
-        };
-        let (block_hashes, seq_hashes) = (words(start), words(start + 8 * n));
-        self.owners_of(slot);
-        let owners = &mut self.owners[slot / 64];
-        self.tiers[tier]
-            .import(owners, &mut self.expect, tier, slot, &block_hashes, &seq_hashes)
-            .map_err(PyValueError::new_err)
+        let mut groups = std::collections::BTreeSet::new();
+        for (mut tables, slots) in workers {
+            tables.taken = true;
+            for (slot, (_, tier, table)) in slots.into_iter().zip(std::mem::take(&mut tables.parts)) {
+                if self.expect.count(slot) > 0 {
+                    for s in table.values() {
+                        self.expect.drop_position(slot, s); // confirmed: held now
+                    }
+                }
+                self.tiers[tier].ensure(slot);
+                self.tiers[tier].blocks[slot] = table;
+                groups.insert((tier, slot / 64));
+            }
+        }
+        for (tier, group) in groups {
+            self.tiers[tier].rebuild_owners(group);
+        }
+        Ok(())
     }
 
     /// Approximate bytes held by the hash tables (the expectations' included).
     fn heap_bytes(&self) -> usize {
-        let owners: usize = self.owners.iter().map(|m| map_bytes(m.capacity(), 8 + 8 * TIERS)).sum();
         let tiers: usize = self
             .tiers
             .iter()
             .map(|t| {
-                t.blocks.iter().map(|m| m.capacity() * 16).sum::<usize>()
-                    + t.blocks.capacity() * std::mem::size_of::<Table<u64>>()
+                t.blocks.iter().chain(&t.owners).map(|m| m.capacity() * 16).sum::<usize>()
+                    + (t.blocks.capacity() + t.owners.capacity()) * std::mem::size_of::<Table<u64>>()
                     + t.aliases.values().map(|m| map_bytes(m.capacity(), 12)).sum::<usize>()
             })
             .sum();
-        owners + tiers + self.expect.heap_bytes()
+        tiers + self.expect.heap_bytes()
     }
 
     /// Per slot with any match: (slot, (device, host_pinned, disk, external)) block counts
@@ -598,7 +740,9 @@ impl IndexCore {
             if known == 0 || n == 0 {
                 continue;
             }
-            let owners = &self.owners[group];
+            // The tiers' owners tables of the group (empty ones cost no lookup).
+            let owners: [Option<&Table<u64>>; TIERS] =
+                std::array::from_fn(|t| self.tiers[t].owners.get(group).filter(|o| !o.is_empty()));
             let expected = self.expect.group_masks(group);
             // on[t]: slots extending their prefix on tier t through the previous position.
             let mut on = [known, 0, 0, 0, 0];
@@ -606,7 +750,9 @@ impl IndexCore {
             let mut counts = [[0u32; COLS]; 64];
             let mut matched = 0u64;
             let mut i = 0usize;
-            let mut batch: Vec<[u64; COLS]> = Vec::with_capacity(LOOKAHEAD);
+            // Per position: the device mask and the expected one (the lower tiers' are
+            // looked up only where a slot is on that tier or moving to it).
+            let mut batch: Vec<[u64; 2]> = Vec::with_capacity(LOOKAHEAD);
             let mut batch_start = 0usize;
             while i < n {
                 if i == batch_start + batch.len() {
@@ -616,18 +762,27 @@ impl IndexCore {
                     fill(seqs, end)?;
                     batch.clear();
                     batch.extend(seqs[i..end].iter().map(|s| {
-                        let m = owners.get(s).copied().unwrap_or([0; TIERS]);
+                        for o in owners[1..].iter().flatten() {
+                            o.prefetch(s);
+                        }
+                        let d = owners[0].and_then(|o| o.get(s).copied()).unwrap_or(0);
                         let e = expected.and_then(|x| x.get(s).copied()).unwrap_or(0);
-                        [m[0], m[1], m[2], m[3], e]
+                        [d, e]
                     }));
                     batch_start = i;
                 }
-                let masks = batch[i - batch_start];
+                let [device, expected_here] = batch[i - batch_start];
                 let mut moving = 0u64; // slots that stopped on the previous tier here
                 let mut alive = 0u64;
                 for t in 0..COLS {
                     let m = on[t] | moving;
-                    let held = masks[t] & m;
+                    let mask = match t {
+                        0 => device,
+                        TIERS => expected_here,
+                        _ if m == 0 => 0,
+                        _ => owners[t].and_then(|o| o.get(&seqs[i]).copied()).unwrap_or(0),
+                    };
+                    let held = mask & m;
                     let mut stopped = on[t] & !held;
                     while stopped != 0 {
                         let b = stopped.trailing_zeros() as usize;

@@ -8,15 +8,21 @@
 //! home slot is `mixed key · capacity >> 64` for any capacity, so a table grows by half
 //! and stays 60–90 % full. Robin Hood keeps probe runs short at that fill: a lookup
 //! stops as soon as it passes where its key would have been placed. (Growing by a
-//! quarter kept tables fuller but made applying events ~2× slower, all in rehashing;
-//! the owners table, looked up once per prompt position, stays std's: this layout
-//! matched no faster there.)
+//! quarter kept tables fuller but made applying events ~2× slower, all in rehashing.)
+//!
+//! Since a home depends only on the key and the capacity, the raw arrays are valid
+//! wherever they are copied at the same capacity: snapshots store them as they are
+//! (`raw`, checked back by `from_raw`), and a table is built from keys sorted in home
+//! order by laying them out in one pass (`from_sorted`).
 use std::mem;
 
 /// Grow when more than 9/10 full; by half.
 const MAX_FILL_NUM: usize = 9;
 const MAX_FILL_DEN: usize = 10;
 const MIN_CAPACITY: usize = 8;
+/// Longest run of entries of one home that `from_raw` accepts (its duplicate check is
+/// quadratic in a run; mixed keys make runs of more than a few entries vanishingly rare).
+const MAX_RUN: usize = 1024;
 /// Stored key of an empty slot; the entry of key 0 (mixed: 0) is kept aside.
 const EMPTY: u64 = 0;
 
@@ -24,14 +30,14 @@ const EMPTY: u64 = 0;
 /// bijection: the table stores keys mixed, so that a slot's home is known without
 /// mixing again while probing, and `unmix` gives the key back.
 #[inline]
-fn mix(k: u64) -> u64 {
+pub(crate) fn mix(k: u64) -> u64 {
     let mut z = k;
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
-fn unmix(z: u64) -> u64 {
+pub(crate) fn unmix(z: u64) -> u64 {
     let mut z = z ^ (z >> 31) ^ (z >> 62);
     z = z.wrapping_mul(0x3196_42b2_d24d_8ec3);
     z = z ^ (z >> 27) ^ (z >> 54);
@@ -121,6 +127,56 @@ impl<V: Copy + Default> Table<V> {
             return self.zero.as_ref();
         }
         self.find(z).map(|i| &self.values[i])
+    }
+
+    pub(crate) fn get_mut(&mut self, key: &u64) -> Option<&mut V> {
+        let z = mix(*key);
+        if z == EMPTY {
+            return self.zero.as_mut();
+        }
+        self.find(z).map(|i| &mut self.values[i])
+    }
+
+    /// The value of `key`, inserted as the default if absent.
+    pub(crate) fn entry(&mut self, key: u64) -> &mut V {
+        let z = mix(key);
+        if z == EMPTY {
+            return self.zero.get_or_insert_with(V::default);
+        }
+        self.reserve(1);
+        let mut i = self.home(z);
+        let mut d = 0;
+        loop {
+            let k = self.keys[i];
+            if k == z {
+                return &mut self.values[i];
+            }
+            if k == EMPTY || self.distance(i) < d {
+                // place_from puts `z` at `i` itself and moves the rest on.
+                self.place_from(i, d, z, V::default());
+                return &mut self.values[i];
+            }
+            i = self.next(i);
+            d += 1;
+        }
+    }
+
+    /// Start loading the slot where a lookup of `key` begins, so that a lookup soon
+    /// after finds it in cache (matching looks the lower tiers up only where needed).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: &u64) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.keys.is_empty() {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let i = self.home(mix(*key));
+            // SAFETY: i < keys.len() == values.len(); a prefetch reads nothing.
+            unsafe {
+                _mm_prefetch(self.keys.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0);
+                _mm_prefetch(self.values.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = key;
     }
 
     /// Room for `extra` more entries without growing on the way.
@@ -223,6 +279,106 @@ impl<V: Copy + Default> Table<V> {
     pub(crate) fn values(&self) -> impl Iterator<Item = V> + '_ {
         self.iter().map(|(_, v)| v)
     }
+
+    /// The mixed keys and values slot by slot (empty slots: key 0), and the entry of key
+    /// 0: all a copy needs.
+    pub(crate) fn raw(&self) -> (&[u64], &[V], Option<V>) {
+        (&self.keys, &self.values, self.zero)
+    }
+
+    /// The table whose `raw` parts these are, or why they are not one: every entry must
+    /// be where Robin Hood insertion leaves it (the first of a run at its home, homes
+    /// non-decreasing along a run: what lookups rely on), no key twice, and at least the
+    /// free slots that growing keeps. One pass, no insert.
+    pub(crate) fn from_raw(keys: Vec<u64>, values: Vec<V>, zero: Option<V>) -> Result<Self, String> {
+        if keys.len() != values.len() {
+            return Err(format!("{} keys but {} values", keys.len(), values.len()));
+        }
+        let mut t = Table { keys, values, len: 0, zero };
+        let cap = t.keys.len();
+        if cap == 0 {
+            return Ok(t);
+        }
+        if cap < MIN_CAPACITY {
+            return Err(format!("capacity {cap} is under the least a table has ({MIN_CAPACITY})"));
+        }
+        // Start after an empty slot, so that no run is cut in two by the wrap.
+        let Some(start) = t.keys.iter().position(|&k| k == EMPTY) else {
+            return Err("no empty slot".to_string());
+        };
+        let mut prev: Option<usize> = None; // distance of the entry before, in this run
+        let mut run: Vec<u64> = Vec::new(); // keys of the current home
+        let mut run_home = usize::MAX;
+        for step in 1..=cap {
+            let i = (start + step) % cap;
+            let z = t.keys[i];
+            if z == EMPTY {
+                prev = None;
+                continue;
+            }
+            let d = t.distance(i);
+            match prev {
+                None if d != 0 => return Err(format!("the entry at slot {i} is not at its home after an empty slot")),
+                Some(p) if d > p + 1 => return Err(format!("the entry at slot {i} is out of its probe order")),
+                _ => {}
+            }
+            let h = t.home(z);
+            if prev.is_none() || h != run_home {
+                run.clear();
+                run_home = h;
+            }
+            if run.contains(&z) {
+                return Err(format!("key {} is in the table twice", unmix(z)));
+            }
+            if run.len() == MAX_RUN {
+                return Err(format!("more than {MAX_RUN} entries share the home of slot {h}"));
+            }
+            run.push(z);
+            prev = Some(d);
+            t.len += 1;
+        }
+        if t.len * MAX_FILL_DEN > cap * MAX_FILL_NUM {
+            return Err(format!("{} entries in {cap} slots: fuller than a table is kept", t.len));
+        }
+        Ok(t)
+    }
+
+    /// A table of `entries`: mixed keys, ascending and distinct (mixed key 0 is key 0),
+    /// sized 3/4 full. Ascending mixed keys are ascending homes, so each entry goes to
+    /// its home or the first free slot after the one before: the layout Robin Hood
+    /// insertion reaches, without its probes and shifts. Entries pushed past the end
+    /// wrap round by plain insertion.
+    pub(crate) fn from_sorted(entries: &[(u64, V)]) -> Self {
+        let mut t = Table::default();
+        let (zero, rest) = match entries.first() {
+            Some(&(EMPTY, v)) => (Some(v), &entries[1..]),
+            _ => (None, entries),
+        };
+        t.zero = zero;
+        if rest.is_empty() {
+            return t;
+        }
+        let cap = (rest.len() * 4).div_ceil(3).max(MIN_CAPACITY);
+        t.keys = vec![EMPTY; cap];
+        t.values = vec![V::default(); cap];
+        let mut free = 0; // no entry placed at or after this slot yet
+        let mut wrapped = Vec::new();
+        for &(z, v) in rest {
+            let i = t.home(z).max(free);
+            if i == cap {
+                wrapped.push((z, v));
+                continue;
+            }
+            t.keys[i] = z;
+            t.values[i] = v;
+            t.len += 1;
+            free = i + 1;
+        }
+        for (z, v) in wrapped {
+            t.place(z, v);
+        }
+        t
+    }
 }
 
 #[cfg(test)]
@@ -264,5 +420,67 @@ mod tests {
         let mut want: Vec<(u64, u64)> = m.into_iter().collect();
         want.sort_unstable();
         assert_eq!(all, want);
+    }
+
+    fn sorted_of(t: &Table<u64>) -> Vec<(u64, u64)> {
+        let mut all: Vec<(u64, u64)> = t.iter().collect();
+        all.sort_unstable();
+        all
+    }
+
+    /// Raw parts copied back give the same map; built from sorted keys gives the map
+    /// inserting them gives, and both stay usable.
+    #[test]
+    fn raw_and_sorted_round_trip() {
+        for n in [0u64, 1, 7, 100, 5_000] {
+            let mut t: Table<u64> = Table::default();
+            for k in 0..n {
+                t.insert(k.wrapping_mul(0x9e37_79b9_7f4a_7c15) % 1_000_000, k);
+            }
+            let (keys, values, zero) = t.raw();
+            let mut copy = Table::from_raw(keys.to_vec(), values.to_vec(), zero).expect("valid");
+            assert_eq!(sorted_of(&copy), sorted_of(&t));
+            let mut mixed: Vec<(u64, u64)> = t.iter().map(|(k, v)| (mix(k), v)).collect();
+            mixed.sort_unstable();
+            let mut built = Table::from_sorted(&mixed);
+            assert_eq!(sorted_of(&built), sorted_of(&t));
+            for k in 0..n {
+                let key = k.wrapping_mul(0x9e37_79b9_7f4a_7c15) % 1_000_000;
+                assert_eq!(copy.get(&key), Some(&k));
+                assert_eq!(built.get(&key), Some(&k));
+                if k % 3 == 0 {
+                    assert_eq!(copy.remove(&key), Some(k));
+                    assert_eq!(built.remove(&key), Some(k));
+                }
+            }
+            copy.insert(u64::MAX, 1);
+            built.insert(u64::MAX, 1);
+            assert_eq!(sorted_of(&copy), sorted_of(&built));
+        }
+    }
+
+    #[test]
+    fn damaged_raw_parts_are_refused() {
+        let mut t: Table<u64> = Table::default();
+        for k in 1..1_000u64 {
+            t.insert(k, k);
+        }
+        let (keys, values, _) = t.raw();
+        let full = keys.iter().position(|&z| z != EMPTY).unwrap();
+        let empty = keys.iter().position(|&z| z == EMPTY).unwrap();
+        let mut moved = keys.to_vec();
+        moved.swap(full, empty);
+        let mut twice = keys.to_vec();
+        let at = (0..twice.len()).find(|&i| twice[i] != EMPTY && twice[(i + 1) % twice.len()] == EMPTY).unwrap();
+        let n = twice.len();
+        twice[(at + 1) % n] = twice[at];
+        let mut wrong = keys.to_vec();
+        wrong[full] ^= 1 << 63;
+        for (bad, why) in [(moved, "home"), (twice, "twice"), (wrong, "")] {
+            let err = Table::from_raw(bad, values.to_vec(), None).err();
+            assert!(err.as_deref().is_some_and(|e| e.contains(why)), "{err:?}");
+        }
+        assert!(Table::<u64>::from_raw(vec![1; 16], vec![0; 16], None).err().unwrap().contains("no empty slot"));
+        assert!(Table::<u64>::from_raw(vec![0; 4], vec![0; 3], None).err().unwrap().contains("values"));
     }
 }
