@@ -128,8 +128,8 @@ def test_worker_tables_round_trip() -> None:
     ]
 
 
-def _part_keys_at(blob: bytes) -> tuple[int, int]:
-    """(byte offset of the first part's keys, its capacity)."""
+def _part_slots_at(blob: bytes) -> tuple[int, int]:
+    """(byte offset of the first part's slots, its capacity)."""
     (cap,) = struct.unpack_from("<Q", blob, 4 + 5)
     return 4 + 5 + 8 + 1 + 8, cap
 
@@ -159,13 +159,16 @@ def test_tables_out_of_order_or_repeating_are_refused() -> None:
     """Blobs that pass a checksum (written so) but are no table: entries moved off their
     probe order, a key twice, no free slot. Refused, and an index is left untouched."""
     blob = _blob()
-    at, cap = _part_keys_at(blob)
-    keys = list(struct.unpack_from(f"<{cap}Q", blob, at))
+    at, cap = _part_slots_at(blob)
+    words = list(struct.unpack_from(f"<{2 * cap}Q", blob, at))
+    keys = words[0::2]
     full = next(i for i, k in enumerate(keys) if k and not keys[i - 1])
     empty = next(i for i, k in enumerate(keys) if not k)
 
     def with_keys(ks: list[int]) -> bytes:
-        return blob[:at] + struct.pack(f"<{cap}Q", *ks) + blob[at + 8 * cap:]
+        slots = words.copy()
+        slots[0::2] = ks
+        return blob[:at] + struct.pack(f"<{2 * cap}Q", *slots) + blob[at + 16 * cap:]
 
     moved = keys.copy()
     moved[full], moved[empty] = 0, keys[full]

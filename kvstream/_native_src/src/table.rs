@@ -1,6 +1,6 @@
-//! The index's per-slot reverse maps (index.rs: block hash → position): u64 keys
-//! (hashes, small engine ids) to small `Copy` values, Robin Hood open addressing with
-//! backward-shift deletion.
+//! The index's maps (index.rs: per slot, block hash → position; per group of slots,
+//! position → slots' bitmask): u64 keys (hashes, small engine ids) to small `Copy`
+//! values, Robin Hood open addressing with backward-shift deletion.
 //!
 //! Why not std's HashMap: its bucket count is a power of two, so a table sits anywhere
 //! between 44 % and 87 % full, and these maps (one per worker slot and tier, a block
@@ -10,7 +10,7 @@
 //! stops as soon as it passes where its key would have been placed. (Growing by a
 //! quarter kept tables fuller but made applying events ~2× slower, all in rehashing.)
 //!
-//! Since a home depends only on the key and the capacity, the raw arrays are valid
+//! Since a home depends only on the key and the capacity, the raw slots are valid
 //! wherever they are copied at the same capacity: snapshots store them as they are
 //! (`raw`, checked back by `from_raw`), and a table is built from keys sorted in home
 //! order by laying them out in one pass (`from_sorted`).
@@ -46,9 +46,10 @@ pub(crate) fn unmix(z: u64) -> u64 {
 }
 
 pub(crate) struct Table<V: Copy + Default> {
-    /// Mixed keys; probing reads only these (8 bytes a slot), the value once found.
-    keys: Vec<u64>,
-    values: Vec<V>,
+    /// (mixed key, value) per slot: a lookup's value is on its key's cache line (the
+    /// owners tables, looked up per prompt position, took a second miss for it when
+    /// keys and values were two arrays).
+    slots: Vec<(u64, V)>,
     /// Entries in the slots (not counting `zero`).
     len: usize,
     zero: Option<V>,
@@ -56,7 +57,7 @@ pub(crate) struct Table<V: Copy + Default> {
 
 impl<V: Copy + Default> Default for Table<V> {
     fn default() -> Self {
-        Table { keys: Vec::new(), values: Vec::new(), len: 0, zero: None }
+        Table { slots: Vec::new(), len: 0, zero: None }
     }
 }
 
@@ -64,23 +65,23 @@ impl<V: Copy + Default> Table<V> {
     /// Home slot of a mixed key.
     #[inline]
     fn home(&self, z: u64) -> usize {
-        ((u128::from(z) * self.keys.len() as u128) >> 64) as usize
+        ((u128::from(z) * self.slots.len() as u128) >> 64) as usize
     }
 
     /// How far the entry at `i` sits from its home.
     #[inline]
     fn distance(&self, i: usize) -> usize {
-        let h = self.home(self.keys[i]);
+        let h = self.home(self.slots[i].0);
         if i >= h {
             i - h
         } else {
-            i + self.keys.len() - h
+            i + self.slots.len() - h
         }
     }
 
     #[inline]
     fn next(&self, i: usize) -> usize {
-        if i + 1 == self.keys.len() {
+        if i + 1 == self.slots.len() {
             0
         } else {
             i + 1
@@ -96,7 +97,7 @@ impl<V: Copy + Default> Table<V> {
         let mut i = self.home(z);
         let mut d = 0;
         loop {
-            let k = self.keys[i];
+            let k = self.slots[i].0;
             if k == z {
                 return Some(i);
             }
@@ -118,7 +119,7 @@ impl<V: Copy + Default> Table<V> {
 
     /// Slots allocated (for the memory estimate).
     pub(crate) fn capacity(&self) -> usize {
-        self.keys.len()
+        self.slots.len()
     }
 
     pub(crate) fn get(&self, key: &u64) -> Option<&V> {
@@ -126,7 +127,7 @@ impl<V: Copy + Default> Table<V> {
         if z == EMPTY {
             return self.zero.as_ref();
         }
-        self.find(z).map(|i| &self.values[i])
+        self.find(z).map(|i| &self.slots[i].1)
     }
 
     pub(crate) fn get_mut(&mut self, key: &u64) -> Option<&mut V> {
@@ -134,7 +135,7 @@ impl<V: Copy + Default> Table<V> {
         if z == EMPTY {
             return self.zero.as_mut();
         }
-        self.find(z).map(|i| &mut self.values[i])
+        self.find(z).map(|i| &mut self.slots[i].1)
     }
 
     /// The value of `key`, inserted as the default if absent.
@@ -147,52 +148,33 @@ impl<V: Copy + Default> Table<V> {
         let mut i = self.home(z);
         let mut d = 0;
         loop {
-            let k = self.keys[i];
+            let k = self.slots[i].0;
             if k == z {
-                return &mut self.values[i];
+                return &mut self.slots[i].1;
             }
             if k == EMPTY || self.distance(i) < d {
                 // place_from puts `z` at `i` itself and moves the rest on.
                 self.place_from(i, d, z, V::default());
-                return &mut self.values[i];
+                return &mut self.slots[i].1;
             }
             i = self.next(i);
             d += 1;
         }
     }
 
-    /// Start loading the slot where a lookup of `key` begins, so that a lookup soon
-    /// after finds it in cache (matching looks the lower tiers up only where needed).
-    #[inline]
-    pub(crate) fn prefetch(&self, key: &u64) {
-        #[cfg(target_arch = "x86_64")]
-        if !self.keys.is_empty() {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let i = self.home(mix(*key));
-            // SAFETY: i < keys.len() == values.len(); a prefetch reads nothing.
-            unsafe {
-                _mm_prefetch(self.keys.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0);
-                _mm_prefetch(self.values.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0);
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
-    }
-
     /// Room for `extra` more entries without growing on the way.
     pub(crate) fn reserve(&mut self, extra: usize) {
         let want = self.len + extra;
-        if want * MAX_FILL_DEN > self.keys.len() * MAX_FILL_NUM {
+        if want * MAX_FILL_DEN > self.slots.len() * MAX_FILL_NUM {
             let fits = (want * MAX_FILL_DEN).div_ceil(MAX_FILL_NUM);
-            self.resize(fits.max(self.keys.len() + self.keys.len() / 2).max(MIN_CAPACITY));
+            self.resize(fits.max(self.slots.len() + self.slots.len() / 2).max(MIN_CAPACITY));
         }
     }
 
     fn resize(&mut self, capacity: usize) {
-        let keys = mem::replace(&mut self.keys, vec![EMPTY; capacity]);
-        let values = mem::replace(&mut self.values, vec![V::default(); capacity]);
+        let slots = mem::replace(&mut self.slots, vec![(EMPTY, V::default()); capacity]);
         self.len = 0;
-        for (z, v) in keys.into_iter().zip(values) {
+        for (z, v) in slots {
             if z != EMPTY {
                 self.place(z, v);
             }
@@ -208,17 +190,15 @@ impl<V: Copy + Default> Table<V> {
     /// from there shift on, each into the next slot nearer its home or empty.
     fn place_from(&mut self, mut i: usize, mut d: usize, mut z: u64, mut v: V) {
         loop {
-            if self.keys[i] == EMPTY {
-                self.keys[i] = z;
-                self.values[i] = v;
+            if self.slots[i].0 == EMPTY {
+                self.slots[i] = (z, v);
                 self.len += 1;
                 return;
             }
             let here = self.distance(i);
             if here < d {
                 // Take the slot of an entry nearer its home; carry that one on.
-                mem::swap(&mut self.keys[i], &mut z);
-                mem::swap(&mut self.values[i], &mut v);
+                (z, v) = mem::replace(&mut self.slots[i], (z, v));
                 d = here;
             }
             i = self.next(i);
@@ -237,9 +217,9 @@ impl<V: Copy + Default> Table<V> {
         let mut i = self.home(z);
         let mut d = 0;
         loop {
-            let k = self.keys[i];
+            let k = self.slots[i].0;
             if k == z {
-                return Some(mem::replace(&mut self.values[i], value));
+                return Some(mem::replace(&mut self.slots[i].1, value));
             }
             if k == EMPTY || self.distance(i) < d {
                 self.place_from(i, d, z, value);
@@ -256,23 +236,22 @@ impl<V: Copy + Default> Table<V> {
             return self.zero.take();
         }
         let mut i = self.find(z)?;
-        let value = self.values[i];
+        let value = self.slots[i].1;
         // Shift the run after it back by one, up to an empty slot or an entry at home.
         let mut j = self.next(i);
-        while self.keys[j] != EMPTY && self.distance(j) > 0 {
-            self.keys[i] = self.keys[j];
-            self.values[i] = self.values[j];
+        while self.slots[j].0 != EMPTY && self.distance(j) > 0 {
+            self.slots[i] = self.slots[j];
             i = j;
             j = self.next(j);
         }
-        self.keys[i] = EMPTY;
+        self.slots[i].0 = EMPTY;
         self.len -= 1;
         Some(value)
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
         self.zero.map(|v| (0, v)).into_iter().chain(
-            self.keys.iter().zip(&self.values).filter(|(&z, _)| z != EMPTY).map(|(&z, &v)| (unmix(z), v)),
+            self.slots.iter().filter(|&&(z, _)| z != EMPTY).map(|&(z, v)| (unmix(z), v)),
         )
     }
 
@@ -280,22 +259,19 @@ impl<V: Copy + Default> Table<V> {
         self.iter().map(|(_, v)| v)
     }
 
-    /// The mixed keys and values slot by slot (empty slots: key 0), and the entry of key
-    /// 0: all a copy needs.
-    pub(crate) fn raw(&self) -> (&[u64], &[V], Option<V>) {
-        (&self.keys, &self.values, self.zero)
+    /// The (mixed key, value) slots (empty ones: key 0) and the entry of key 0: all a
+    /// copy needs.
+    pub(crate) fn raw(&self) -> (&[(u64, V)], Option<V>) {
+        (&self.slots, self.zero)
     }
 
     /// The table whose `raw` parts these are, or why they are not one: every entry must
     /// be where Robin Hood insertion leaves it (the first of a run at its home, homes
     /// non-decreasing along a run: what lookups rely on), no key twice, and at least the
     /// free slots that growing keeps. One pass, no insert.
-    pub(crate) fn from_raw(keys: Vec<u64>, values: Vec<V>, zero: Option<V>) -> Result<Self, String> {
-        if keys.len() != values.len() {
-            return Err(format!("{} keys but {} values", keys.len(), values.len()));
-        }
-        let mut t = Table { keys, values, len: 0, zero };
-        let cap = t.keys.len();
+    pub(crate) fn from_raw(slots: Vec<(u64, V)>, zero: Option<V>) -> Result<Self, String> {
+        let mut t = Table { slots, len: 0, zero };
+        let cap = t.slots.len();
         if cap == 0 {
             return Ok(t);
         }
@@ -303,7 +279,7 @@ impl<V: Copy + Default> Table<V> {
             return Err(format!("capacity {cap} is under the least a table has ({MIN_CAPACITY})"));
         }
         // Start after an empty slot, so that no run is cut in two by the wrap.
-        let Some(start) = t.keys.iter().position(|&k| k == EMPTY) else {
+        let Some(start) = t.slots.iter().position(|&(k, _)| k == EMPTY) else {
             return Err("no empty slot".to_string());
         };
         let mut prev: Option<usize> = None; // distance of the entry before, in this run
@@ -311,7 +287,7 @@ impl<V: Copy + Default> Table<V> {
         let mut run_home = usize::MAX;
         for step in 1..=cap {
             let i = (start + step) % cap;
-            let z = t.keys[i];
+            let z = t.slots[i].0;
             if z == EMPTY {
                 prev = None;
                 continue;
@@ -359,8 +335,7 @@ impl<V: Copy + Default> Table<V> {
             return t;
         }
         let cap = (rest.len() * 4).div_ceil(3).max(MIN_CAPACITY);
-        t.keys = vec![EMPTY; cap];
-        t.values = vec![V::default(); cap];
+        t.slots = vec![(EMPTY, V::default()); cap];
         let mut free = 0; // no entry placed at or after this slot yet
         let mut wrapped = Vec::new();
         for &(z, v) in rest {
@@ -369,8 +344,7 @@ impl<V: Copy + Default> Table<V> {
                 wrapped.push((z, v));
                 continue;
             }
-            t.keys[i] = z;
-            t.values[i] = v;
+            t.slots[i] = (z, v);
             t.len += 1;
             free = i + 1;
         }
@@ -437,8 +411,8 @@ mod tests {
             for k in 0..n {
                 t.insert(k.wrapping_mul(0x9e37_79b9_7f4a_7c15) % 1_000_000, k);
             }
-            let (keys, values, zero) = t.raw();
-            let mut copy = Table::from_raw(keys.to_vec(), values.to_vec(), zero).expect("valid");
+            let (slots, zero) = t.raw();
+            let mut copy = Table::from_raw(slots.to_vec(), zero).expect("valid");
             assert_eq!(sorted_of(&copy), sorted_of(&t));
             let mut mixed: Vec<(u64, u64)> = t.iter().map(|(k, v)| (mix(k), v)).collect();
             mixed.sort_unstable();
@@ -465,7 +439,9 @@ mod tests {
         for k in 1..1_000u64 {
             t.insert(k, k);
         }
-        let (keys, values, _) = t.raw();
+        let (slots, _) = t.raw();
+        let keys: Vec<u64> = slots.iter().map(|s| s.0).collect();
+        let with_keys = |ks: Vec<u64>| -> Vec<(u64, u64)> { ks.into_iter().zip(slots.iter().map(|s| s.1)).collect() };
         let full = keys.iter().position(|&z| z != EMPTY).unwrap();
         let empty = keys.iter().position(|&z| z == EMPTY).unwrap();
         let mut moved = keys.to_vec();
@@ -477,10 +453,10 @@ mod tests {
         let mut wrong = keys.to_vec();
         wrong[full] ^= 1 << 63;
         for (bad, why) in [(moved, "home"), (twice, "twice"), (wrong, "")] {
-            let err = Table::from_raw(bad, values.to_vec(), None).err();
+            let err = Table::from_raw(with_keys(bad), None).err();
             assert!(err.as_deref().is_some_and(|e| e.contains(why)), "{err:?}");
         }
-        assert!(Table::<u64>::from_raw(vec![1; 16], vec![0; 16], None).err().unwrap().contains("no empty slot"));
-        assert!(Table::<u64>::from_raw(vec![0; 4], vec![0; 3], None).err().unwrap().contains("values"));
+        assert!(Table::<u64>::from_raw(vec![(1, 0); 16], None).err().unwrap().contains("no empty slot"));
+        assert!(Table::<u64>::from_raw(vec![(0, 0); 4], None).err().unwrap().contains("capacity 4"));
     }
 }
