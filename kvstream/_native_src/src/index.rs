@@ -419,11 +419,6 @@ impl WorkerTables {
             })
             .collect())
     }
-
-    /// Blocks over every part.
-    fn blocks(&self) -> usize {
-        self.parts.iter().map(|(_, _, t)| t.len()).sum()
-    }
 }
 
 /// Every tier of every worker slot. Slots are small ints assigned by the Python side.
