@@ -68,10 +68,71 @@ const PARENT_NOT_FOUND: u8 = 2;
 struct Tier {
     /// Per slot: block hash → position.
     blocks: Vec<Table<u64>>,
-    /// Per group of 64 slots: position → bitmask of the slots holding it on this tier.
-    owners: Vec<Table<u64>>,
     /// slot → {position: identities beyond the first}.
     aliases: Map<u64, Map<u64, u32>>,
+}
+
+/// One group of 64 slots' owners: per tier, position → bitmask of the slots holding it
+/// there. host_pinned and disk share a table, an entry holding both masks: an offload
+/// engine's disk holds what its host tier holds and more, so most of their positions
+/// cost one 24-byte entry instead of two of 16, and matching finds both tiers' masks
+/// with one lookup (one cache miss) per position.
+#[derive(Default)]
+struct Owners {
+    device: Table<u64>,
+    lower: Table<[u64; 2]>,
+    external: Table<u64>,
+}
+
+impl Owners {
+    fn get(&self, tier: usize, s: &u64) -> u64 {
+        match tier {
+            0 => self.device.get(s).copied().unwrap_or(0),
+            1 | 2 => self.lower.get(s).map_or(0, |m| m[tier - 1]),
+            _ => self.external.get(s).copied().unwrap_or(0),
+        }
+    }
+
+    /// Set `bit` at position `s` on the tier; false when it was set already.
+    fn add(&mut self, tier: usize, s: u64, bit: u64) -> bool {
+        let m = match tier {
+            0 => self.device.entry(s),
+            1 | 2 => &mut self.lower.entry(s)[tier - 1],
+            _ => self.external.entry(s),
+        };
+        let new = *m & bit == 0;
+        *m |= bit;
+        new
+    }
+
+    /// Clear `bit` from position `s` on the tier, dropping the entry when it holds no
+    /// slot any more.
+    fn clear(&mut self, tier: usize, s: u64, bit: u64) {
+        match tier {
+            0 => clear_bit(&mut self.device, bit, s),
+            1 | 2 => {
+                if let Some(m) = self.lower.get_mut(&s) {
+                    m[tier - 1] &= !bit;
+                    if *m == [0, 0] {
+                        self.lower.remove(&s);
+                    }
+                }
+            }
+            _ => clear_bit(&mut self.external, bit, s),
+        }
+    }
+
+    fn prefetch(&self, tier: usize, s: &u64) {
+        match tier {
+            0 => self.device.prefetch(s),
+            1 | 2 => self.lower.prefetch(s),
+            _ => self.external.prefetch(s),
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.device.heap_bytes() + self.lower.heap_bytes() + self.external.heap_bytes()
+    }
 }
 
 /// Clear `bit` from position `s`, dropping the entry when no slot is left.
@@ -84,8 +145,8 @@ fn clear_bit(owners: &mut Table<u64>, bit: u64, s: u64) {
     }
 }
 
-/// Release one identity of `slot` at position `s`.
-fn release(owners: &mut Table<u64>, aliases: &mut Map<u64, Map<u64, u32>>, slot: usize, bit: u64, s: u64) {
+/// Release one identity of `slot` at position `s` on the tier.
+fn release(owners: &mut Owners, tier: usize, aliases: &mut Map<u64, Map<u64, u32>>, slot: usize, bit: u64, s: u64) {
     if let Some(al) = aliases.get_mut(&(slot as u64)) {
         if let Some(extra) = al.get_mut(&s) {
             if *extra == 1 {
@@ -99,7 +160,7 @@ fn release(owners: &mut Table<u64>, aliases: &mut Map<u64, Map<u64, u32>>, slot:
             return;
         }
     }
-    clear_bit(owners, bit, s);
+    owners.clear(tier, s, bit);
 }
 
 impl Tier {
@@ -107,12 +168,20 @@ impl Tier {
         if self.blocks.len() <= slot {
             self.blocks.resize_with(slot + 1, Table::default);
         }
-        if self.owners.len() <= slot / 64 {
-            self.owners.resize_with(slot / 64 + 1, Table::default);
-        }
     }
 
-    fn store(&mut self, expect: &mut Expect, slot: usize, parent: Option<u64>, hashes: &[u64], tokens: &[u64]) -> u8 {
+    /// `owners`: the slot's group's, of this tier (index `tier`).
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &mut self,
+        tier: usize,
+        owners: &mut Owners,
+        expect: &mut Expect,
+        slot: usize,
+        parent: Option<u64>,
+        hashes: &[u64],
+        tokens: &[u64],
+    ) -> u8 {
         let n = hashes.len();
         if n == 0 || n != tokens.len() {
             return INVALID;
@@ -141,38 +210,43 @@ impl Tier {
         let seqs = sequence_of(tokens, parent_seq);
         let bit = 1u64 << (slot % 64);
         let blocks = &mut self.blocks[slot];
-        let owners = &mut self.owners[slot / 64];
         let aliases = &mut self.aliases;
+        // The blocks land at random slots of both tables: start loading every slot the
+        // event touches, so that their cache misses overlap instead of following one
+        // another. (Not growing the tables first: that would change the sizes they go
+        // through, and reserving ahead was no faster, only less full.)
+        for (bh, s) in hashes.iter().zip(&seqs) {
+            blocks.prefetch(bh);
+            owners.prefetch(tier, s);
+        }
         for (&bh, &s) in hashes.iter().zip(&seqs) {
             expect.drop_position(slot, s); // confirmed: the index holds it now
             if let Some(old) = blocks.insert(bh, s) {
                 if old == s {
                     continue; // stored again at the same position: nothing changes
                 }
-                release(owners, aliases, slot, bit, old); // the identity moved
+                release(owners, tier, aliases, slot, bit, old); // the identity moved
             }
-            let m = owners.entry(s);
-            if *m & bit != 0 {
+            if !owners.add(tier, s, bit) {
                 *aliases.entry(slot as u64).or_default().entry(s).or_insert(0) += 1;
-            } else {
-                *m |= bit;
             }
         }
         STORED
     }
 
-    fn remove(&mut self, slot: usize, hashes: &[u64]) -> usize {
+    /// `owners`: every group's (the slot's holds its blocks when it has any).
+    fn remove(&mut self, tier: usize, owners: &mut [Owners], slot: usize, hashes: &[u64]) -> usize {
         if slot >= self.blocks.len() || self.blocks[slot].is_empty() {
             return hashes.len();
         }
         let bit = 1u64 << (slot % 64);
         let blocks = &mut self.blocks[slot];
-        let owners = &mut self.owners[slot / 64];
+        let owners = &mut owners[slot / 64];
         let mut unknown = 0;
         for bh in hashes {
             match blocks.remove(bh) {
                 None => unknown += 1,
-                Some(s) => release(owners, &mut self.aliases, slot, bit, s),
+                Some(s) => release(owners, tier, &mut self.aliases, slot, bit, s),
             }
         }
         if blocks.is_empty() {
@@ -181,23 +255,25 @@ impl Tier {
         unknown
     }
 
-    fn drop_slot(&mut self, slot: usize) {
+    fn drop_slot(&mut self, tier: usize, owners: &mut [Owners], slot: usize) {
         if slot >= self.blocks.len() {
             return;
         }
         let bit = 1u64 << (slot % 64);
         let blocks = std::mem::take(&mut self.blocks[slot]);
         self.aliases.remove(&(slot as u64));
-        for s in blocks.values() {
-            clear_bit(&mut self.owners[slot / 64], bit, s);
+        if let Some(owners) = owners.get_mut(slot / 64) {
+            for s in blocks.values() {
+                owners.clear(tier, s, bit);
+            }
         }
     }
 
-    /// Build the owners table of a group, and its slots' aliases, from the slots' reverse
-    /// tables (a restore installed them whole): every (position, slot) sorted once, each
-    /// position's slots ORed, a slot's repeats counted as aliases.
-    fn rebuild_owners(&mut self, group: usize) {
-        self.ensure(group * 64);
+    /// The owners entries of a group on this tier, and its slots' aliases, from the
+    /// slots' reverse tables (a restore installed them whole): every (position, slot)
+    /// sorted once, each position's slots ORed, a slot's repeats counted as aliases.
+    /// Mixed positions, ascending.
+    fn held_masks(&mut self, group: usize) -> Vec<(u64, u64)> {
         let slots = group * 64..self.blocks.len().min(group * 64 + 64);
         let total = slots.clone().map(|slot| self.blocks[slot].len()).sum();
         let mut held: Vec<(u64, u8)> = Vec::with_capacity(total);
@@ -220,7 +296,7 @@ impl Tier {
                 _ => owners.push((z, bit)),
             }
         }
-        self.owners[group] = Table::from_sorted(&owners);
+        owners
     }
 
     fn size(&self, slot: usize) -> usize {
@@ -425,6 +501,8 @@ impl WorkerTables {
 #[pyclass(module = "kvstream._native")]
 pub struct IndexCore {
     tiers: [Tier; TIERS],
+    /// Per group of 64 slots: its owners tables.
+    owners: Vec<Owners>,
     /// Per group of 64 slots: the slots in use.
     known: Vec<u64>,
     /// Blocks expected on slots because requests were routed there (expect.rs).
@@ -451,7 +529,7 @@ impl IndexCore {
     /// turn).
     pub(crate) fn held_prefix(&self, slot: usize, seqs: &[u64]) -> usize {
         let bit = 1u64 << (slot % 64);
-        let held = |t: usize, s: &u64| self.tiers[t].owners.get(slot / 64).and_then(|o| o.get(s)).is_some_and(|m| m & bit != 0);
+        let held = |t: usize, s: &u64| self.owners.get(slot / 64).is_some_and(|o| o.get(t, s) & bit != 0);
         let mut t = 0;
         for (i, s) in seqs.iter().enumerate() {
             while t < TIERS && !held(t, s) {
@@ -463,6 +541,53 @@ impl IndexCore {
         }
         seqs.len()
     }
+
+    fn ensure_group(&mut self, group: usize) {
+        if self.owners.len() <= group {
+            self.owners.resize_with(group + 1, Owners::default);
+        }
+    }
+
+    /// Rebuild a group's owners of the tier from its slots' reverse tables (both of
+    /// host_pinned and disk, which share a table).
+    fn rebuild_owners(&mut self, tier: usize, group: usize) {
+        self.ensure_group(group);
+        let owners = &mut self.owners[group];
+        match tier {
+            0 => owners.device = Table::from_sorted(&self.tiers[0].held_masks(group)),
+            1 | 2 => {
+                let host = self.tiers[1].held_masks(group);
+                let disk = self.tiers[2].held_masks(group);
+                let mut both = Vec::with_capacity(host.len().max(disk.len()));
+                let (mut h, mut d) = (host.iter().peekable(), disk.iter().peekable());
+                loop {
+                    let next = match (h.peek(), d.peek()) {
+                        (None, None) => break,
+                        (Some(&&(zh, mh)), Some(&&(zd, md))) if zh == zd => {
+                            h.next();
+                            d.next();
+                            (zh, [mh, md])
+                        }
+                        (Some(&&(zh, mh)), Some(&&(zd, _))) if zh < zd => {
+                            h.next();
+                            (zh, [mh, 0])
+                        }
+                        (Some(&&(zh, mh)), None) => {
+                            h.next();
+                            (zh, [mh, 0])
+                        }
+                        (_, Some(&&(zd, md))) => {
+                            d.next();
+                            (zd, [0, md])
+                        }
+                    };
+                    both.push(next);
+                }
+                owners.lower = Table::from_sorted(&both);
+            }
+            _ => owners.external = Table::from_sorted(&self.tiers[3].held_masks(group)),
+        }
+    }
 }
 
 #[pymethods]
@@ -473,7 +598,7 @@ impl IndexCore {
     #[pyo3(signature = (expected_ttl_s=120.0, expected_cap=65_536))]
     fn new(expected_ttl_s: f64, expected_cap: usize) -> PyResult<Self> {
         check_ttl(expected_ttl_s)?;
-        Ok(IndexCore { tiers: Default::default(), known: Vec::new(), expect: Expect::new(expected_ttl_s, expected_cap) })
+        Ok(IndexCore { tiers: Default::default(), owners: Vec::new(), known: Vec::new(), expect: Expect::new(expected_ttl_s, expected_cap) })
     }
 
     /// Mark a slot in use (a candidate for matching).
@@ -486,6 +611,7 @@ impl IndexCore {
         for tier in &mut self.tiers {
             tier.ensure(slot);
         }
+        self.ensure_group(group);
     }
 
     /// Forget every block and expectation of the slot and free it: O(its blocks).
@@ -507,8 +633,8 @@ impl IndexCore {
     /// events stopped: what routing predicts of it is the load log's, not the events'); it
     /// stays in use.
     fn drop_blocks(&mut self, slot: usize) {
-        for tier in &mut self.tiers {
-            tier.drop_slot(slot);
+        for (t, tier) in self.tiers.iter_mut().enumerate() {
+            tier.drop_slot(t, &mut self.owners, slot);
         }
     }
 
@@ -530,7 +656,7 @@ impl IndexCore {
         if tier == 0 {
             self.expect.clear(slot);
         }
-        self.tiers[tier].drop_slot(slot);
+        self.tiers[tier].drop_slot(tier, &mut self.owners, slot);
         Ok(())
     }
 
@@ -597,13 +723,14 @@ impl IndexCore {
         tokens_hashes: Vec<u64>,
     ) -> PyResult<u8> {
         check_tier(tier)?;
-        Ok(self.tiers[tier].store(&mut self.expect, slot, parent, &block_hashes, &tokens_hashes))
+        self.ensure_group(slot / 64);
+        Ok(self.tiers[tier].store(tier, &mut self.owners[slot / 64], &mut self.expect, slot, parent, &block_hashes, &tokens_hashes))
     }
 
     /// Apply a removed event; returns how many block hashes were not held (skipped).
     fn remove(&mut self, tier: usize, slot: usize, block_hashes: Vec<u64>) -> PyResult<usize> {
         check_tier(tier)?;
-        Ok(self.tiers[tier].remove(slot, &block_hashes))
+        Ok(self.tiers[tier].remove(tier, &mut self.owners, slot, &block_hashes))
     }
 
     /// `store` with the hashes still packed in a message (kvstream/events/codec.py's
@@ -623,14 +750,15 @@ impl IndexCore {
     ) -> PyResult<u8> {
         check_tier(tier)?;
         let (hashes, tokens) = (packed_words(data, blocks_at, count)?, packed_words(data, tokens_at, count)?);
-        Ok(self.tiers[tier].store(&mut self.expect, slot, parent, &hashes, &tokens))
+        self.ensure_group(slot / 64);
+        Ok(self.tiers[tier].store(tier, &mut self.owners[slot / 64], &mut self.expect, slot, parent, &hashes, &tokens))
     }
 
     /// `remove` with the hashes still packed in a message (see `store_packed`).
     fn remove_packed(&mut self, tier: usize, slot: usize, data: &[u8], at: usize, count: usize) -> PyResult<usize> {
         check_tier(tier)?;
         let hashes = packed_words(data, at, count)?;
-        Ok(self.tiers[tier].remove(slot, &hashes))
+        Ok(self.tiers[tier].remove(tier, &mut self.owners, slot, &hashes))
     }
 
     /// Blocks the slot holds over every tier.
@@ -704,11 +832,12 @@ impl IndexCore {
                 }
                 self.tiers[tier].ensure(slot);
                 self.tiers[tier].blocks[slot] = table;
-                groups.insert((tier, slot / 64));
+                // host_pinned and disk share a table: one rebuild for both.
+                groups.insert((if tier == 2 { 1 } else { tier }, slot / 64));
             }
         }
         for (tier, group) in groups {
-            self.tiers[tier].rebuild_owners(group);
+            self.rebuild_owners(tier, group);
         }
         Ok(())
     }
@@ -719,12 +848,14 @@ impl IndexCore {
             .tiers
             .iter()
             .map(|t| {
-                t.blocks.iter().chain(&t.owners).map(|m| m.capacity() * 16).sum::<usize>()
-                    + (t.blocks.capacity() + t.owners.capacity()) * std::mem::size_of::<Table<u64>>()
+                t.blocks.iter().map(Table::heap_bytes).sum::<usize>()
+                    + t.blocks.capacity() * std::mem::size_of::<Table<u64>>()
                     + t.aliases.values().map(|m| map_bytes(m.capacity(), 12)).sum::<usize>()
             })
             .sum();
-        tiers + self.expect.heap_bytes()
+        let owners = self.owners.iter().map(Owners::heap_bytes).sum::<usize>()
+            + self.owners.capacity() * std::mem::size_of::<Owners>();
+        tiers + owners + self.expect.heap_bytes()
     }
 
     /// Per slot with any match: (slot, (device, host_pinned, disk, external)) block counts
@@ -769,9 +900,11 @@ impl IndexCore {
             if known == 0 || n == 0 {
                 continue;
             }
-            // The tiers' owners tables of the group (empty ones cost no lookup).
-            let owners: [Option<&Table<u64>>; TIERS] =
-                std::array::from_fn(|t| self.tiers[t].owners.get(group).filter(|o| !o.is_empty()));
+            // The group's owners tables (empty ones cost no lookup).
+            let Some(owners) = self.owners.get(group) else { continue };
+            let device = Some(&owners.device).filter(|o| !o.is_empty());
+            let lower = Some(&owners.lower).filter(|o| !o.is_empty());
+            let external = Some(&owners.external).filter(|o| !o.is_empty());
             let expected = self.expect.group_masks(group);
             // on[t]: slots extending their prefix on tier t through the previous position.
             let mut on = [known, 0, 0, 0, 0];
@@ -790,23 +923,33 @@ impl IndexCore {
                     let end = (i + LOOKAHEAD).min(n);
                     fill(seqs, end)?;
                     batch.clear();
+                    for s in &seqs[i..end] {
+                        device.inspect(|o| o.prefetch(s));
+                        lower.inspect(|o| o.prefetch(s));
+                    }
                     batch.extend(seqs[i..end].iter().map(|s| {
-                        let d = owners[0].and_then(|o| o.get(s).copied()).unwrap_or(0);
+                        let d = device.and_then(|o| o.get(s).copied()).unwrap_or(0);
                         let e = expected.and_then(|x| x.get(s).copied()).unwrap_or(0);
                         [d, e]
                     }));
                     batch_start = i;
                 }
-                let [device, expected_here] = batch[i - batch_start];
+                let [device_here, expected_here] = batch[i - batch_start];
                 let mut moving = 0u64; // slots that stopped on the previous tier here
                 let mut alive = 0u64;
+                let mut lower_here: Option<[u64; 2]> = None; // host_pinned, disk
                 for t in 0..COLS {
                     let m = on[t] | moving;
                     let mask = match t {
-                        0 => device,
+                        0 => device_here,
                         TIERS => expected_here,
                         _ if m == 0 => 0,
-                        _ => owners[t].and_then(|o| o.get(&seqs[i]).copied()).unwrap_or(0),
+                        1 | 2 => {
+                            let both = *lower_here
+                                .get_or_insert_with(|| lower.and_then(|o| o.get(&seqs[i]).copied()).unwrap_or([0, 0]));
+                            both[t - 1]
+                        }
+                        _ => external.and_then(|o| o.get(&seqs[i]).copied()).unwrap_or(0),
                     };
                     let held = mask & m;
                     let mut stopped = on[t] & !held;

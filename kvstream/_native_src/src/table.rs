@@ -117,9 +117,14 @@ impl<V: Copy + Default> Table<V> {
         self.len() == 0
     }
 
-    /// Slots allocated (for the memory estimate).
+    /// Slots allocated.
     pub(crate) fn capacity(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Bytes of the slots (for the memory estimate).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.slots.len() * mem::size_of::<(u64, V)>()
     }
 
     pub(crate) fn get(&self, key: &u64) -> Option<&V> {
@@ -160,6 +165,21 @@ impl<V: Copy + Default> Table<V> {
             i = self.next(i);
             d += 1;
         }
+    }
+
+    /// Start loading the home slot of `key` into the cache (a lookup soon after finds it
+    /// there: the misses of several lookups overlap instead of following one another).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: &u64) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.slots.is_empty() {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let i = self.home(mix(*key));
+            // SAFETY: i < slots.len(); a prefetch reads nothing.
+            unsafe { _mm_prefetch(self.slots.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = key;
     }
 
     /// Room for `extra` more entries without growing on the way.
