@@ -5,10 +5,10 @@
 //!
 //! A block's position is its chained sequence hash, computed here from the parent's
 //! sequence hash. Per tier, `owners` maps a position to the bitmask of the worker slots
-//! holding it there (one table per group of 64 slots; a table per tier stores no empty
-//! masks: 16 bytes an entry where one entry of all four tiers took 40). Each slot has,
-//! per tier, a reverse map from its block hashes to positions, so that removing a block
-//! or a worker costs O(its blocks). All are table.rs tables.
+//! holding it there (per group of 64 slots: a table for the device tier, one for
+//! host_pinned and disk together, one for external; see `Owners`). Each slot has, per
+//! tier, a reverse map from its block hashes to positions, so that removing a block or a
+//! worker costs O(its blocks). All are table.rs tables.
 //! A slot holds a position while at least one of its block hashes maps there; the rare
 //! second identity at one position (an alias) is counted in a side map.
 //!
@@ -242,17 +242,22 @@ impl Tier {
         let bit = 1u64 << (slot % 64);
         let blocks = &mut self.blocks[slot];
         let owners = &mut owners[slot / 64];
-        let mut unknown = 0;
+        // As in `store`: the misses of an event's blocks overlap, first in the reverse
+        // table, then in the owners table once the positions are known.
         for bh in hashes {
-            match blocks.remove(bh) {
-                None => unknown += 1,
-                Some(s) => release(owners, tier, &mut self.aliases, slot, bit, s),
-            }
+            blocks.prefetch(bh);
+        }
+        let seqs: Vec<u64> = hashes.iter().filter_map(|bh| blocks.remove(bh)).collect();
+        for s in &seqs {
+            owners.prefetch(tier, s);
+        }
+        for &s in &seqs {
+            release(owners, tier, &mut self.aliases, slot, bit, s);
         }
         if blocks.is_empty() {
             *blocks = Table::default(); // give the memory back
         }
-        unknown
+        hashes.len() - seqs.len()
     }
 
     fn drop_slot(&mut self, tier: usize, owners: &mut [Owners], slot: usize) {
