@@ -74,9 +74,10 @@ struct Tier {
 
 /// One group of 64 slots' owners: per tier, position → bitmask of the slots holding it
 /// there. host_pinned and disk share a table, an entry holding both masks: an offload
-/// engine's disk holds what its host tier holds and more, so most of their positions
-/// cost one 24-byte entry instead of two of 16, and matching finds both tiers' masks
-/// with one lookup (one cache miss) per position.
+/// engine's disk usually holds what its host tier holds and more, so most of their
+/// positions cost one 24-byte entry instead of two of 16 (a position on one of them
+/// only costs 24 instead of 16), and matching finds both tiers' masks with one lookup
+/// (one cache miss) per position.
 #[derive(Default)]
 struct Owners {
     device: Table<u64>,
@@ -170,7 +171,7 @@ impl Tier {
         }
     }
 
-    /// `owners`: the slot's group's, of this tier (index `tier`).
+    /// `tier`: this tier's index; `owners`: the slot's group's.
     #[allow(clippy::too_many_arguments)]
     fn store(
         &mut self,
