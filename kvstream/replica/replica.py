@@ -148,6 +148,10 @@ class Replica:
     def start(self) -> None:
         """Recover (snapshot, offset checks, resync) and start the threads."""
         o = self.options
+        # The registry (another topic, needed for ready) loads while recovery restores
+        # the snapshot: in a restart from a snapshot, the two were a third each of the
+        # time to ready, one after the other.
+        self.supervisor.spawn("workers", self._registry_reader.run, critical=False)
         # Watermarks come from a consumer that never fetches: on the fetching one, each
         # query waits behind a long-poll fetch and stalls ingest.
         self._offsets_consumer = Consumer(consumer_config(self.settings))
@@ -157,6 +161,7 @@ class Replica:
                           self.metrics, self._note, store_note=self._store_note, peer=peer)
         except BaseException:
             # A replica that could not start must not keep dialling the broker.
+            self._stop.set()  # the registry reader
             self._offsets_consumer.close()
             self._offsets_consumer = None
             raise
@@ -192,7 +197,6 @@ class Replica:
         self.supervisor.spawn("ingest", ingest.run, critical=True)
         self.supervisor.spawn("lag", self._watch.run, critical=True)
         self.supervisor.spawn("active", self._load.run, critical=False)
-        self.supervisor.spawn("workers", self._registry_reader.run, critical=False)
         self.supervisor.spawn("modes", self._step_modes, critical=False)
 
     def stop(self) -> None:

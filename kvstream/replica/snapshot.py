@@ -8,9 +8,13 @@ time between batches (small steps, never a long stall) and a background thread w
 
 Layout (raw keys, big-endian ints so that keys sort by worker and generation):
 
-- ``b"w" + worker(8) + gen(8) + chunk(4)``: a worker's packed blocks, in 64 KiB values;
+- ``b"w" + worker(8) + gen(8) + chunk(4)``: a worker's index tables, in 64 KiB values;
   written only when the worker changed (incremental), else the meta points at the
-  generation that last wrote it;
+  generation that last wrote it. Since format 3 a blob holds each (rank, tier) reverse
+  table of the core as its raw arrays (``kvstream._native.WorkerTables``' layout): a
+  restore copies them, checks their structure, and builds the shared owners tables once,
+  instead of inserting every block (format 2 held the (block hash, position) pairs; a
+  generation of an older format is refused with that reason and the log replayed);
 - ``b"m" + gen(8)``: the generation's meta (JSON), prefixed with its XXH3-64 checksum;
   it lists each worker's blob generation, size and checksum;
 - ``b"head"``: the newest committed generation and the previous one (the fallback).
@@ -38,58 +42,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import orjson
 import xxhash
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
-from kvstream.events.model import Tier
 from kvstream.logs import get_logger
-from kvstream.router.index import PackedBlocks, WorkerBlocks
+from kvstream._native import WorkerTables
+from kvstream.router.index import TIERS, WorkerBlocks
 from kvstream.replica.errors import SnapshotError
 
 log = get_logger(__name__)
 
 CHUNK_BYTES = 64 * 1024
 #: Version of the layout; a generation of another version is skipped (replayed instead).
-FORMAT = 2
+FORMAT = 3
 STAMP_BYTES = 8
 _HEAD = b"head"
-_TIERS = list(Tier)
-_U64 = np.dtype("<u8")
 _T = TypeVar("_T")
 
 
 # -- worker blobs -----------------------------------------------------------------------
 
 
-def pack_worker(parts: list[WorkerBlocks]) -> bytes:
-    out = [struct.pack("<I", len(parts))]
-    for p in parts:
-        n = len(p.block_hashes)
-        out.append(struct.pack("<IBQ", p.dp_rank, _TIERS.index(p.tier), n))
-        out.append(np.fromiter(p.block_hashes, _U64, n).tobytes())
-        out.append(np.fromiter(p.seq_hashes, _U64, n).tobytes())
-    return b"".join(out)
-
-
-def packed_worker(blob: bytes) -> list[PackedBlocks]:
-    """The parts of a worker blob, hashes left packed (what a restore imports)."""
+def worker_tables(blob: bytes, start: int = 0) -> WorkerTables:
+    """The tables of a worker blob from byte ``start`` on, checked (lengths, structure);
+    SnapshotError saying what is wrong with a damaged one."""
     try:
-        (count,) = struct.unpack_from("<I", blob, 0)
-        pos, parts = 4, []
-        for _ in range(count):
-            rank, tier, n = struct.unpack_from("<IBQ", blob, pos)
-            pos += 13
-            if pos + 16 * n > len(blob):
-                raise SnapshotError("worker blob is shorter than its header says")
-            parts.append(PackedBlocks(rank, _TIERS[tier], blob, pos, n))
-            pos += 16 * n
-    except (struct.error, IndexError) as exc:
+        return WorkerTables.parse(blob, start)
+    except ValueError as exc:
         raise SnapshotError(f"malformed worker blob: {exc}") from None
-    if pos != len(blob):
-        raise SnapshotError("worker blob has trailing bytes")
-    return parts
 
 
 def stamp(worker: int, epoch: int, last_ids: Mapping[int, int], last_seen_ms: int) -> bytes:
@@ -100,16 +81,9 @@ def stamp(worker: int, epoch: int, last_ids: Mapping[int, int], last_seen_ms: in
     return xxhash.xxh3_64_digest(raw)
 
 
-def unpack_worker(blob: bytes) -> list[WorkerBlocks]:
-    """The parts of a worker blob, hashes as lists of ints."""
-    return [
-        WorkerBlocks(
-            p.dp_rank, p.tier,
-            np.frombuffer(blob, _U64, p.count, p.offset).tolist(),
-            np.frombuffer(blob, _U64, p.count, p.offset + 8 * p.count).tolist(),
-        )
-        for p in packed_worker(blob)
-    ]
+def unpack_worker(tables: WorkerTables) -> list[WorkerBlocks]:
+    """The parts of a worker's tables, hashes as lists of ints."""
+    return [WorkerBlocks(rank, TIERS[tier], h, s) for rank, tier, h, s in tables.lists()]
 
 
 # -- meta ---------------------------------------------------------------------------------
@@ -136,6 +110,8 @@ class WorkerMeta:
     recent: dict[int, dict[int, int]] = field(default_factory=dict)
     #: Whether the worker stored anything in its epoch (fold.WorkerLog.stored).
     stored: bool = True
+    #: Blocks in its blob (for operators and metrics).
+    blocks: int = 0
 
     def stamp(self, worker: int) -> bytes:
         return stamp(worker, self.epoch, self.last_ids, self.last_seen_ms)
@@ -167,7 +143,7 @@ class SnapshotMeta:
             yield from pm.workers.items()
 
     def blocks(self) -> int:
-        return sum(w.blob.nbytes for _, w in self.workers()) // 16
+        return sum(w.blocks for _, w in self.workers())
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -191,6 +167,7 @@ class SnapshotMeta:
                             "blob": [wm.blob.gen, wm.blob.nbytes, wm.blob.checksum],
                             "recent": {str(r): list(d.items()) for r, d in wm.recent.items()},
                             "stored": wm.stored,
+                            "blocks": wm.blocks,
                         }
                         for w, wm in pm.workers.items()
                     },
@@ -219,9 +196,8 @@ class SnapshotMeta:
                     pm.workers[int(w)] = WorkerMeta(
                         wd["epoch"], wd["lease_ms"], wd["last_seen_ms"],
                         {int(r): i for r, i in wd["last_ids"].items()}, BlobRef(*wd["blob"]),
-                        # Absent from snapshots written before the digests were kept.
-                        {int(r): {int(i): int(d) for i, d in pairs} for r, pairs in wd.get("recent", {}).items()},
-                        bool(wd.get("stored", True)),
+                        {int(r): {int(i): int(d) for i, d in pairs} for r, pairs in wd["recent"].items()},
+                        bool(wd["stored"]), int(wd["blocks"]),
                     )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"malformed snapshot meta: {exc}") from None
@@ -470,9 +446,10 @@ class SnapshotStore:
         """A stored blob, checksum verified (stamp included)."""
         return b"".join(self.blob_chunks(worker, ref))
 
-    def load(self, gen: int) -> tuple[SnapshotMeta, dict[int, bytes]]:
-        """Generation ``gen`` with every worker blob verified (checksum and stamp), or
-        SnapshotError; the blobs are the packed blocks (stamps removed)."""
+    def load(self, gen: int) -> tuple[SnapshotMeta, dict[int, WorkerTables]]:
+        """Generation ``gen`` with every worker blob verified (checksum, stamp, then the
+        tables' lengths and structure), or SnapshotError: nothing of a damaged generation
+        reaches an index."""
         meta = self.meta(gen)
         blobs = {}
         for w, wm in meta.workers():
@@ -482,7 +459,7 @@ class SnapshotStore:
                     f"worker {w}: the blob of generation {wm.blob.gen} was captured at another "
                     f"position of the log than generation {gen} records (a stale blob)"
                 )
-            blobs[w] = blob[STAMP_BYTES:]
+            blobs[w] = worker_tables(blob, STAMP_BYTES)
         return meta, blobs
 
     def candidates(self) -> tuple[list[int], list[str]]:
@@ -493,7 +470,7 @@ class SnapshotStore:
         except SnapshotError as exc:
             return self.meta_gens(), [f"head: {exc}"]
 
-    def load_latest(self) -> tuple[tuple[SnapshotMeta, dict[int, bytes]] | None, list[str]]:
+    def load_latest(self) -> tuple[tuple[SnapshotMeta, dict[int, WorkerTables]] | None, list[str]]:
         """The newest generation that verifies, else the previous one, else None; and why
         each skipped generation was skipped."""
         gens, skipped = self.candidates()

@@ -22,6 +22,7 @@ import time
 
 from kvstream.logs import get_logger
 from kvstream.replica.errors import SnapshotError
+from kvstream._native import WorkerTables
 from kvstream.replica.fold import LogFold, WorkerLog
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.snapshot import (
@@ -30,8 +31,6 @@ from kvstream.replica.snapshot import (
     SnapshotMeta,
     SnapshotStore,
     WorkerMeta,
-    pack_worker,
-    packed_worker,
 )
 
 log = get_logger(__name__)
@@ -157,18 +156,19 @@ class Snapshotter:
             part.next_offset if part else 0, part.log_time_ms if part else 0
         )
         base_workers = self.base.partitions[p].workers if self.base and p in self.base.partitions else {}
-        export = fold.router.export_worker
+        router = fold.router
         blobs = []
         for wid, wlog in fold.workers.items():
             if wlog.partition != p:
                 continue
-            ref = None if wid in fold.dirty else getattr(base_workers.get(wid), "blob", None)
+            base = None if wid in fold.dirty else base_workers.get(wid)
             wm = pm.workers[wid] = WorkerMeta(
-                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), ref or _PENDING,
+                wlog.epoch, wlog.lease_ms, wlog.last_seen_ms, dict(wlog.last_ids), base.blob if base else _PENDING,
                 {r: dict(d) for r, d in wlog.recent.items()}, wlog.stored,
+                base.blocks if base else router.worker_blocks(wid),
             )
-            if ref is None:
-                blobs.append((wid, wm.stamp(wid) + pack_worker(export(wid))))
+            if base is None:
+                blobs.append((wid, wm.stamp(wid) + router.export_tables(wid)))
                 fold.dirty.discard(wid)
         self._queue.put(("blobs", meta.gen, pm, blobs))
 
@@ -258,10 +258,11 @@ class Snapshotter:
 
 
 def restore_fold(
-    fold: LogFold, meta: SnapshotMeta, blobs: dict[int, bytes], partitions: set[int]
+    fold: LogFold, meta: SnapshotMeta, blobs: dict[int, WorkerTables], partitions: set[int]
 ) -> None:
-    """Load the given partitions of a verified snapshot into an empty fold."""
-    router = fold.router
+    """Load the given partitions of a verified snapshot into an empty fold (the index's
+    tables in one step, once every worker is known)."""
+    imports: dict[int, WorkerTables] = {}
     for p in partitions:
         pm = meta.partitions[p]
         fold.restore_partition(p, pm.next_offset, pm.log_time_ms)
@@ -272,4 +273,5 @@ def restore_fold(
                     {r: dict(d) for r, d in wm.recent.items()}, wm.stored,
                 )
             ):
-                router.import_worker(wid, packed_worker(blobs[wid]))
+                imports[wid] = blobs[wid]
+    fold.router.import_workers(imports)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
-from kvstream._native import IndexCore
+from kvstream._native import IndexCore, WorkerTables
 from kvstream.events.model import LOWER_TIERS, Cleared, Removed, RouterEvent, Stored, Tier
 
 #: Counter reasons (``TieredIndex.counters``): events or blocks rejected or skipped.
@@ -61,18 +61,6 @@ class WorkerBlocks(NamedTuple):
     tier: Tier
     block_hashes: Sequence[int]
     seq_hashes: Sequence[int]
-
-
-class PackedBlocks(NamedTuple):
-    """``WorkerBlocks`` still packed in a snapshot blob: ``count`` little-endian u64
-    block hashes at byte ``offset`` of ``data``, then their sequence hashes. The core
-    imports them without building Python lists (restart speed)."""
-
-    dp_rank: int
-    tier: Tier
-    data: bytes
-    offset: int
-    count: int
 
 
 class TierOverlap(NamedTuple):
@@ -294,38 +282,47 @@ class TieredIndex:
             if key[0] == worker_id:
                 self._core.clear_slot(slot)
 
-    def export_worker(self, worker_id: int) -> list[WorkerBlocks]:
-        """Every block of a worker, per rank and tier (a rank with no block is exported
-        empty on the device tier, so that it stays known). O(its blocks)."""
+    def _parts(self, worker_id: int) -> list[tuple[int, int, int]]:
+        """(rank, tier index, slot) of each part a worker is exported as: every tier
+        holding blocks, per rank (a rank with no block: its empty device tier, so that
+        it stays known)."""
         out = []
         for rank in sorted(self._ranks.get(worker_id, ())):
             slot = self._slot_of[(worker_id, rank)]
-            parts = [
-                WorkerBlocks(rank, t, *self._core.export(i, slot))
-                for i, t in enumerate(TIERS)
-                if self._core.size(i, slot)
-            ]
-            out.extend(parts or [WorkerBlocks(rank, Tier.DEVICE, [], [])])
+            tiers = [i for i in range(len(TIERS)) if self._core.size(i, slot)]
+            out.extend((rank, i, slot) for i in tiers or [0])
         return out
 
-    def import_worker(self, worker_id: int, parts: Iterable[WorkerBlocks | PackedBlocks]) -> None:
-        """Install a worker exported by :meth:`export_worker`, as lists or still packed
+    def export_worker(self, worker_id: int) -> list[WorkerBlocks]:
+        """Every block of a worker, per rank and tier (as lists). O(its blocks)."""
+        return [WorkerBlocks(rank, TIERS[i], *self._core.export(i, slot)) for rank, i, slot in self._parts(worker_id)]
+
+    def export_tables(self, worker_id: int) -> bytes:
+        """A worker's reverse tables as raw arrays (a snapshot blob's body, read back by
+        ``WorkerTables.parse``). O(its blocks), copies only."""
+        return self._core.export_tables(self._parts(worker_id))
+
+    def import_worker(self, worker_id: int, parts: WorkerTables | Iterable[WorkerBlocks]) -> None:
+        """Install a worker exported by :meth:`export_tables` or :meth:`export_worker`
         (it must be unknown)."""
-        if worker_id in self._ranks:
-            raise ValueError(f"worker {worker_id} is already known")
-        for p in parts:
-            slot = self._slot(worker_id, p.dp_rank)
-            if self._core.size(_TIER_INDEX[p.tier], slot):
-                raise ValueError(
-                    f"worker {worker_id} rank {p.dp_rank} already holds blocks on {p.tier.value}"
-                )
+        if not isinstance(parts, WorkerTables):
             try:
-                if type(p) is PackedBlocks:
-                    self._core.import_packed(_TIER_INDEX[p.tier], slot, p.data, p.offset, p.count)
-                else:
-                    self._core.import_blocks(_TIER_INDEX[p.tier], slot, p.block_hashes, p.seq_hashes)
+                parts = WorkerTables.from_lists(
+                    [(p.dp_rank, _TIER_INDEX[p.tier], p.block_hashes, p.seq_hashes) for p in parts]
+                )
             except (OverflowError, TypeError):
                 raise ValueError("exported hashes must be integers in [0, 2**64)") from None
+        self.import_workers({worker_id: parts})
+
+    def import_workers(self, workers: Mapping[int, WorkerTables]) -> None:
+        """Install unknown workers' tables in one step (a restore): the tables are moved
+        in as they are and the positions' owners built once for all of them."""
+        for wid in workers:
+            if wid in self._ranks:
+                raise ValueError(f"worker {wid} is already known")
+        self._core.install(
+            [(tables, [self._slot(wid, rank) for rank, _ in tables.keys()]) for wid, tables in workers.items()]
+        )
 
     # -- events ----------------------------------------------------------------------
 

@@ -25,12 +25,12 @@ from kvstream.router.active import (
     PrefillDone,
     WorkerLoad,
 )
+from kvstream._native import WorkerTables
 from kvstream.router.core import Prompt, PromptTokens, decide
 from kvstream.router.errors import NoEligibleWorkerError, UnknownWorkerError
 from kvstream.router.index import (
     DEFAULT_EXPECTED_BLOCKS,
     DEFAULT_EXPECTED_TTL_S,
-    PackedBlocks,
     TieredIndex,
     TierOverlap,
     WorkerBlocks,
@@ -239,9 +239,17 @@ class Router:
         """Every block of a worker, per rank and tier (for snapshots and diffs)."""
         return self._index.export_worker(worker_id)
 
-    def import_worker(self, worker_id: int, parts: Iterable[WorkerBlocks | PackedBlocks]) -> None:
+    def export_tables(self, worker_id: int) -> bytes:
+        """A worker's index tables as a snapshot blob holds them."""
+        return self._index.export_tables(worker_id)
+
+    def import_worker(self, worker_id: int, parts: WorkerTables | Iterable[WorkerBlocks]) -> None:
         """Install an exported worker (it must be unknown)."""
         self._index.import_worker(worker_id, parts)
+
+    def import_workers(self, workers: Mapping[int, WorkerTables]) -> None:
+        """Install unknown workers' snapshot tables in one step (a restore)."""
+        self._index.import_workers(workers)
 
     def load(self, key: WorkerKey) -> WorkerLoad | None:
         """A worker rank's load from routed requests (None: no active request)."""

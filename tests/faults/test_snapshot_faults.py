@@ -234,11 +234,12 @@ def mount_tmpfs(path: Path, size: str) -> bool:
 def fill(path: Path) -> Path:
     """Fill the file system of ``path`` (a ballast file, written until ENOSPC)."""
     ballast = path / "ballast"
-    with open(ballast, "wb") as fh:
+    # Unbuffered: a buffered file's close flushes the part the full disk refused again,
+    # and raises ENOSPC out of the with.
+    with open(ballast, "wb", buffering=0) as fh:
         try:
             while True:
                 fh.write(b"\0" * 65536)
-                fh.flush()
         except OSError:
             pass
     return ballast

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from kvstream.events.model import Tier
 from kvstream.hashing import local_hashes
 from kvstream.replica.errors import SnapshotError
-from kvstream.replica.snapshot import SnapshotStore, pack_worker, unpack_worker
+from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter, restore_fold
-from kvstream.router.index import WorkerBlocks
 
 from tests.replica.helpers import FakeWorkerLog, new_fold
 from tests.replica.raw_store import raw_keys
@@ -198,15 +197,6 @@ def test_old_generations_are_collected(tmp_path) -> None:
     metas = {struct.unpack(">Q", k[1:])[0] for k in keys if k.startswith(b"m")}
     blob_gens = {struct.unpack(">QQI", k[1:])[1] for k in keys if k.startswith(b"w")}
     assert metas == {newest, prev} and blob_gens <= {newest, prev}
-
-
-def test_worker_blob_round_trip_and_bad_blobs() -> None:
-    parts = [WorkerBlocks(0, Tier.DEVICE, [1, 2**64 - 1], [3, 4]), WorkerBlocks(3, Tier.DISK, [], [])]
-    blob = pack_worker(parts)
-    assert [tuple(p) for p in unpack_worker(blob)] == [(0, Tier.DEVICE, [1, 2**64 - 1], [3, 4]), (3, Tier.DISK, [], [])]
-    for bad in (blob[:-1], blob + b"x", b"", struct.pack("<I", 1) + struct.pack("<IBQ", 0, 0, 2**40)):
-        with pytest.raises(SnapshotError):
-            unpack_worker(bad)
 
 
 def test_unwritable_store_is_a_clear_error(tmp_path) -> None:

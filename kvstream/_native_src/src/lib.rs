@@ -154,6 +154,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_class::<index::IndexCore>()?;
+    m.add_class::<index::WorkerTables>()?;
     m.add_class::<route::ActiveCore>()?;
     m.add_class::<avro_check::AvroLayout>()?;
     m.add_function(wrap_pyfunction!(event_encode::encode_event_batch, m)?)?;
