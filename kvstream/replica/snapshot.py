@@ -47,9 +47,8 @@ import xxhash
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstream.logs import get_logger
-from kvstream._native import WorkerTables
-from kvstream.router.index import TIERS, WorkerBlocks
 from kvstream.replica.errors import SnapshotError
+from kvstream.router.index import TIERS, WorkerBlocks, WorkerTables
 
 log = get_logger(__name__)
 

@@ -22,7 +22,6 @@ import time
 
 from kvstream.logs import get_logger
 from kvstream.replica.errors import SnapshotError
-from kvstream._native import WorkerTables
 from kvstream.replica.fold import LogFold, WorkerLog
 from kvstream.replica.metrics import ReplicaMetrics
 from kvstream.replica.snapshot import (
@@ -32,6 +31,7 @@ from kvstream.replica.snapshot import (
     SnapshotStore,
     WorkerMeta,
 )
+from kvstream.router.index import WorkerTables
 
 log = get_logger(__name__)
 
