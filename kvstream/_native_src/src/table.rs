@@ -88,25 +88,33 @@ impl<V: Copy + Default> Table<V> {
         }
     }
 
+    /// Probe for mixed key `z` (not 0; the slots not empty): `Ok(slot)` where it is, or
+    /// `Err((slot, distance))` where the probe stopped, which is where it would go (Robin
+    /// Hood: the key would sit no further from its home than that).
+    #[inline]
+    fn probe(&self, z: u64) -> Result<usize, (usize, usize)> {
+        let mut i = self.home(z);
+        let mut d = 0;
+        loop {
+            let k = self.slots[i].0;
+            if k == z {
+                return Ok(i);
+            }
+            if k == EMPTY || self.distance(i) < d {
+                return Err((i, d));
+            }
+            i = self.next(i);
+            d += 1;
+        }
+    }
+
     /// The slot of mixed key `z` (not 0).
     #[inline]
     fn find(&self, z: u64) -> Option<usize> {
         if self.len == 0 {
             return None;
         }
-        let mut i = self.home(z);
-        let mut d = 0;
-        loop {
-            let k = self.slots[i].0;
-            if k == z {
-                return Some(i);
-            }
-            if k == EMPTY || self.distance(i) < d {
-                return None;
-            }
-            i = self.next(i);
-            d += 1;
-        }
+        self.probe(z).ok()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -150,21 +158,15 @@ impl<V: Copy + Default> Table<V> {
             return self.zero.get_or_insert_with(V::default);
         }
         self.reserve(1);
-        let mut i = self.home(z);
-        let mut d = 0;
-        loop {
-            let k = self.slots[i].0;
-            if k == z {
-                return &mut self.slots[i].1;
-            }
-            if k == EMPTY || self.distance(i) < d {
+        let i = match self.probe(z) {
+            Ok(i) => i,
+            Err((i, d)) => {
                 // place_from puts `z` at `i` itself and moves the rest on.
                 self.place_from(i, d, z, V::default());
-                return &mut self.slots[i].1;
+                i
             }
-            i = self.next(i);
-            d += 1;
-        }
+        };
+        &mut self.slots[i].1
     }
 
     /// Start loading the home slot of `key` into the cache (a lookup soon after finds it
@@ -227,26 +229,19 @@ impl<V: Copy + Default> Table<V> {
     }
 
     /// Set `key` to `value`; returns the previous value. One pass: the probe that
-    /// misses the key is where it goes (Robin Hood: the key would sit no further).
+    /// misses the key is where it goes.
     pub(crate) fn insert(&mut self, key: u64, value: V) -> Option<V> {
         let z = mix(key);
         if z == EMPTY {
             return self.zero.replace(value);
         }
         self.reserve(1);
-        let mut i = self.home(z);
-        let mut d = 0;
-        loop {
-            let k = self.slots[i].0;
-            if k == z {
-                return Some(mem::replace(&mut self.slots[i].1, value));
-            }
-            if k == EMPTY || self.distance(i) < d {
+        match self.probe(z) {
+            Ok(i) => Some(mem::replace(&mut self.slots[i].1, value)),
+            Err((i, d)) => {
                 self.place_from(i, d, z, value);
-                return None;
+                None
             }
-            i = self.next(i);
-            d += 1;
         }
     }
 
@@ -380,8 +375,6 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    /// Random inserts, updates and removes against std's HashMap (keys from a small
-    /// range, 0 included, so that runs collide and the zero slot is used).
     #[test]
     fn unmix_inverts_mix() {
         let mut x = 1u64;
@@ -392,6 +385,8 @@ mod tests {
         assert_eq!((mix(0), unmix(0)), (0, 0));
     }
 
+    /// Random inserts, entries, updates and removes against std's HashMap (keys from a
+    /// small range, 0 included, so that runs collide and the zero slot is used).
     #[test]
     fn behaves_as_a_map() {
         let mut t: Table<u64> = Table::default();
@@ -402,8 +397,12 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let key = x % 5_000;
-            match x >> 63 {
-                0 => assert_eq!(t.insert(key, step), m.insert(key, step)),
+            match x >> 62 {
+                0 | 1 => assert_eq!(t.insert(key, step), m.insert(key, step)),
+                2 => {
+                    *t.entry(key) += 1;
+                    *m.entry(key).or_default() += 1;
+                }
                 _ => assert_eq!(t.remove(&key), m.remove(&key)),
             }
             assert_eq!(t.get(&key), m.get(&key));
