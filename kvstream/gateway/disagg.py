@@ -26,6 +26,7 @@ import orjson
 from kvstream.gateway.errors import unavailable
 from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.roles import Handoff, Role
+from kvstream.router.scheduler import SchedulerOverrides
 
 #: What the prefill leg of a NixlConnector request carries: "decode elsewhere", the rest
 #: filled in by the prefill engine's answer (vLLM's proxy sends these keys, all null).
@@ -33,6 +34,11 @@ _NIXL_PREFILL = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
     "remote_host": None, "remote_port": None,
 }
+#: How both legs are routed: neither delays the decodes running on its worker (a prefill
+#: worker's requests decode elsewhere; a decode worker receives the prompt's KV by
+#: transfer, which takes no engine step), so ttft charges them no decode delay
+#: (kvstream.router.costs).
+LEG_SCHEDULING = SchedulerOverrides(ttft_decode_delay_weight=0.0)
 #: Where the two legs of a bootstrap request meet: SGLang's rooms are u63.
 _ROOM_BITS = 63
 

@@ -23,6 +23,7 @@ from kvstream.router.core import PromptTokens
 from kvstream.router.errors import RouterError
 from kvstream.router.index import WorkerKey
 from kvstream.router.router import RouteDecision
+from kvstream.router.scheduler import SchedulerOverrides
 
 #: Prompts longer than this (tokens) are routed in a thread: hashing them takes a while.
 INLINE_ROUTE_TOKENS = 32_768
@@ -31,10 +32,13 @@ INLINE_ROUTE_TOKENS = 32_768
 class RequestLife:
     """The load one request puts on the fleet, for one attempt at a time."""
 
-    __slots__ = ("added", "limiter", "prefilled", "replica", "request_id", "timed", "unshared")
+    __slots__ = ("added", "limiter", "overrides", "prefilled", "replica", "request_id", "timed", "unshared")
 
-    def __init__(self, replica: Replica, limiter: anyio.CapacityLimiter, timed: bool = True) -> None:
+    def __init__(self, replica: Replica, limiter: anyio.CapacityLimiter, timed: bool = True,
+                 overrides: SchedulerOverrides | None = None) -> None:
         self.replica, self.limiter = replica, limiter
+        #: How its routes are scheduled beyond the replica's configuration (a leg's).
+        self.overrides = overrides
         #: False for a leg whose first token follows no prefill (a disaggregated request's
         #: decode leg: its prompt's KV came by transfer): it shares no PREFILL_DONE, so no
         #: replica learns a prefill rate from it, and its worker carries the prompt until
@@ -67,7 +71,8 @@ class RequestLife:
             self.replica.share(op)
 
     def _route(self, ids: PromptTokens, lora: str | None, candidates: Sequence[WorkerKey], track: bool) -> RouteDecision:
-        return self.replica.route(ids, lora, self.request_id, not track, candidates=candidates, share=False)
+        return self.replica.route(ids, lora, self.request_id, not track, self.overrides, candidates=candidates,
+                                  share=False)
 
     async def prefill_done(self) -> None:
         self._share_add()

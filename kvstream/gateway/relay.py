@@ -248,11 +248,12 @@ class Exchange:
         self.gw, self.req, self.raw, self.headers, self.request_id = gateway, req, raw, headers, request_id
         self.ids, self.lora, self.started = ids, lora, started
         self.track = req.endpoint is not Endpoint.EMBEDDINGS
-        self.life = RequestLife(gateway.replica, gateway.limiter, timed=plan is None)
+        legs = disagg.LEG_SCHEDULING if plan is not None else None
+        self.life = RequestLife(gateway.replica, gateway.limiter, timed=plan is None, overrides=legs)
         #: A disaggregated request's legs: the decode leg is the one relayed (``endpoints``).
         self.plan = plan
         self.endpoints = plan.decode if plan is not None else endpoints
-        self.prefill_life = RequestLife(gateway.replica, gateway.limiter) if plan is not None else None
+        self.prefill_life = RequestLife(gateway.replica, gateway.limiter, overrides=legs) if plan is not None else None
         #: The prefill worker of the last prefill leg, and those that failed one.
         self.prefill_worker: int | None = None
         self.prefill_tried: set[int] = set()

@@ -191,5 +191,5 @@ class ActiveSequences:
 
     def loads_for(
         self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]
-    ) -> list[tuple[bool, int, int, int, int, int]]:
+    ) -> list[tuple[bool, int, int, int, int]]:
         return self.core.loads_for(list(keys), list(seq_hashes))

@@ -96,7 +96,7 @@ def decide(
     cands = Candidates(
         tuple(keys),
         np.frombuffer(ov, "<i8").reshape(n, 5),
-        np.frombuffer(ld, "<i8").reshape(n, 6),
+        np.frombuffer(ld, "<i8").reshape(n, 5),
     )
     columns = LogitColumns(c[0], c[1], c[2], c[3], c[4].astype(np.int64), c[5], c[6])
     schedule = Schedule(

@@ -13,7 +13,7 @@ per_tok  = 1 / rate[w] + decode_slowdown·active_decode_blocks[w]   # seconds pe
 ttft[w]  = (ahead + uncached + onboard)·per_tok      # seconds
 b        = min(share of the candidates with a request running, 0.9)
 cost[w]  = ttft[w] + recompute_weight·b/(1 − b)·uncached·per_tok
-         + decode_delay_weight·decoding_requests[w]·(uncached + onboard)·per_tok
+         + decode_delay_weight·active_requests[w]·(uncached + onboard)·per_tok
 ```
 
 (``uncached`` counts an expected block, one routed to ``w`` and not confirmed yet, as
@@ -32,18 +32,22 @@ gave cache away for load at 3× the conversation trace (cached share 0.116 again
 sglang-router's 0.132; with b/(1 − b) 0.131 and TTFT p50/p99 184/1381 → 178/1303 ms,
 kvstream bench fleet, one run each).
 
-The decoding ones wait for it for sure: chunked prefill shares each engine step with
+The running ones wait for it for sure: chunked prefill shares each engine step with
 their decodes, so each of them takes that much longer to finish
 (``ttft_decode_delay_weight``, 1: a second of their time weighs as a second of this
-request's TTFT). Those still prefilling (before their first token, the PREFILL_DONE
-op) do not: the engine schedules running requests first, so they are ahead of it and
-already in ``ahead``; a prefill-only worker of a disaggregated fleet has no decoding
-request at all. (A request whose first token the gateway cannot see, a non-streamed
-answer, stays in ``ahead`` until it ends, as §5 counts it, and is charged there, not
-here.) Prefill moved to an idle worker costs no one else; prefill recomputed
+request's TTFT). Prefill moved to an idle worker costs no one else; prefill recomputed
 beside running requests, instead of found in a busy worker's cache, costs each of them
 (system prompts shared by many users at 3×: end-to-end p99 410 ms with the weight at 0,
-260 ms at 1, for 0.8 point of cached share).
+260 ms at 1, for 0.8 point of cached share). Those still prefilling count too: queued
+first (FCFS), they are decoding by the time this prefill runs, and it delays them then.
+Counting only those past their first token gave cache away for load at 3× the
+conversation trace (medians of 3 alternating pairs: cached share 0.128 → 0.122, TTFT
+p50/p99 186/1,296 → 206/1,393 ms; docs/RESULTS.md).
+
+The legs of a disaggregated request delay no decode (the gateway routes both with the
+weight at 0, kvstream.gateway.relay): a prefill worker's requests decode elsewhere, and a
+decode worker receives the prompt's KV by transfer, which takes no step from the
+requests running there.
 
 Onboarding is counted in prefill-token equivalents (moving a token's KV up a tier costs
 that fraction of computing it). ``rate`` and ``decode_slowdown`` are learned online

@@ -23,7 +23,6 @@ def candidate_dict(c: CandidateScore) -> dict[str, Any]:
         "new_blocks": c.new_blocks,
         "decode_blocks": c.decode_blocks,
         "active_requests": c.active_requests,
-        "decoding_requests": c.decoding_requests,
         "request_cost": c.request_cost,
         "logit": c.logit,
         "probability": c.probability,

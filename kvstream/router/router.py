@@ -255,11 +255,9 @@ class Router:
         """A worker rank's load from routed requests (None: no active request)."""
         return self._active.load(key)
 
-    def loads_for(
-        self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]
-    ) -> list[tuple[bool, int, int, int, int, int]]:
+    def loads_for(self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]) -> list[tuple[bool, int, int, int, int]]:
         """Per key: (has load, prefill tokens, decode blocks, requests, new blocks of
-        ``seq_hashes``, decoding requests): what a decision reads of the load."""
+        ``seq_hashes``): what a decision reads of the load."""
         return self._active.loads_for(keys, seq_hashes)
 
     def learned_rates(self) -> LearnedRates:

@@ -71,8 +71,8 @@ class SchedulerConfig:
     ttft_recompute_weight: float = _option(1.0)
     #: ttft: weight of the delay a request's prefill (and onboarding) puts on the
     #: requests already running on the worker: each waits for it between two of its
-    #: decode steps (chunked prefill shares the step).
-    ttft_decode_delay_weight: float = _option(1.0)
+    #: decode steps (chunked prefill shares the step). 0 for a disaggregated leg.
+    ttft_decode_delay_weight: float = _option(1.0, per_request=True)
     #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
     #: its own ("worker": for a fleet of unequal GPUs).
     ttft_rate_scope: str = _option("fleet", choices=RATE_SCOPES)
@@ -149,8 +149,6 @@ class Candidate(NamedTuple):
     active_requests: int
     #: Blocks of this request that the worker does not already hold for running requests.
     new_blocks: int
-    #: Active requests past their first token (decoding): those a prefill there delays.
-    decoding_requests: int
 
 
 class LogitTerms(NamedTuple):
@@ -180,7 +178,6 @@ class CandidateScore(NamedTuple):
     new_blocks: int
     decode_blocks: int
     active_requests: int
-    decoding_requests: int
     request_cost: float
     logit: float
     #: Chance of being chosen (0 for excluded candidates).
@@ -197,17 +194,16 @@ class Candidates:
     workers: tuple[WorkerKey, ...]
     #: (n, 5): device, host_pinned, disk, external, expected blocks credited.
     overlaps: np.ndarray
-    #: (n, 6): has load entry (0/1), active prefill tokens, active decode blocks,
-    #: active requests, new blocks, decoding requests.
+    #: (n, 5): has load entry (0/1), active prefill tokens, active decode blocks,
+    #: active requests, new blocks.
     loads: np.ndarray
 
     def __len__(self) -> int:
         return len(self.workers)
 
     def __getitem__(self, i: int) -> Candidate:
-        has_load, apt, adb, reqs, new, decoding = self.loads[i].tolist()
-        return Candidate(self.workers[i], TierOverlap(*self.overlaps[i].tolist()), bool(has_load), apt, adb, reqs, new,
-                         decoding)
+        has_load, apt, adb, reqs, new = self.loads[i].tolist()
+        return Candidate(self.workers[i], TierOverlap(*self.overlaps[i].tolist()), bool(has_load), apt, adb, reqs, new)
 
 
 class LogitColumns(NamedTuple):
@@ -260,7 +256,6 @@ class Schedule:
             c.new_blocks,
             t.decode_blocks,
             c.active_requests,
-            c.decoding_requests,
             t.request_cost,
             t.logit,
             self.probabilities[i],

@@ -260,3 +260,24 @@ def test_a_client_that_leaves_cancels_both_legs(replica: Replica) -> None:
         next(iter(stream))
         stream.close()
         _no_load_left(replica, served, ps + ds)
+
+
+@pytest.mark.parametrize("handoff", [Handoff.NIXL, Handoff.BOOTSTRAP])
+def test_both_legs_are_routed_without_a_decode_delay(replica: Replica, handoff: Handoff,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """ttft charges a prompt the delay its prefill puts on the requests decoding beside it;
+    neither leg puts any (a prefill worker's requests decode elsewhere, a decode worker
+    receives the KV by transfer), so both are routed with that weight at 0."""
+    weights: list[float] = []
+    route = replica.route
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        decision = route(*args, **kwargs)
+        weights.append(decision.schedule.config.ttft_decode_delay_weight)
+        return decision
+
+    monkeypatch.setattr(replica, "route", recorded)
+    with pd_fleet(replica, handoff, prefill=1, decode=1) as (served, ps, ds):
+        served.client().completions.create(model=MODEL, prompt="one prompt, two legs " * 10, max_tokens=2)
+        _no_load_left(replica, served, ps + ds)
+    assert weights == [0.0, 0.0]

@@ -55,7 +55,7 @@ class Candidates(CoreCandidates):
         return cls(
             tuple(c[0] for c in rows),
             np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 5),
-            np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 6),
+            np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
         )
 
 
@@ -88,7 +88,7 @@ class _Request:
 
 
 class _Load:
-    __slots__ = ("prefill_tokens", "blocks", "requests", "prefilling")
+    __slots__ = ("prefill_tokens", "blocks", "requests")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -96,8 +96,6 @@ class _Load:
         #: Counter because its update() counts a whole chain in C.
         self.blocks: Counter[int] = Counter()
         self.requests = 0
-        #: Requests before their first prefill_done.
-        self.prefilling = 0
 
 
 class ActiveSequences:
@@ -137,7 +135,6 @@ class ActiveSequences:
                     req.key, req.ahead + req.prefill_tokens, op.timestamp - req.added_s, req.decode_blocks
                 )
                 req.added_s = None
-                self._loads[req.key].prefilling -= 1
             if req.prefill_tokens:
                 self._loads[req.key].prefill_tokens -= req.prefill_tokens
                 req.prefill_tokens = 0
@@ -178,7 +175,6 @@ class ActiveSequences:
         self._requests[op.request_id] = req
         load.prefill_tokens += prefill
         load.requests += 1
-        load.prefilling += 1
         load.blocks.update(op.sequence_hashes)
         heapq.heappush(self._expiry, (op.timestamp, req.serial, op.request_id))
 
@@ -187,7 +183,6 @@ class ActiveSequences:
         load = self._loads[req.key]
         load.prefill_tokens -= req.prefill_tokens
         load.requests -= 1
-        load.prefilling -= req.added_s is not None
         if not load.requests:
             del self._loads[req.key]  # its blocks go with it
             return
@@ -232,12 +227,11 @@ class ActiveSequences:
 
     def loads_for(
         self, keys: Sequence[WorkerKey], seq_hashes: Sequence[int]
-    ) -> list[tuple[bool, int, int, int, int, int]]:
+    ) -> list[tuple[bool, int, int, int, int]]:
         """Per key: (has load entry, prefill tokens, decode blocks, requests, new blocks
-        of ``seq_hashes``, decoding requests), in one pass (the router asks this for every
-        candidate)."""
+        of ``seq_hashes``), in one pass (the router asks this for every candidate)."""
         n = len(seq_hashes)
-        idle = (False, 0, 0, 0, n, 0)
+        idle = (False, 0, 0, 0, n)
         get = self._loads.get
         held = _held_prefix
         out = []
@@ -248,8 +242,7 @@ class ActiveSequences:
             else:
                 blocks = ld.blocks
                 out.append(
-                    (True, ld.prefill_tokens, len(blocks), ld.requests, n - held(blocks, seq_hashes),
-                     ld.requests - ld.prefilling)
+                    (True, ld.prefill_tokens, len(blocks), ld.requests, n - held(blocks, seq_hashes))
                 )
         return out
 
@@ -281,7 +274,7 @@ def worker_logits(
 ) -> LogitColumns:
     """The §5 formula, term by term, for every candidate at once."""
     dev, host, disk, ext, exp = c.overlaps.T
-    has_load, apt, adb, reqs, new_blocks, _ = c.loads.T
+    has_load, apt, adb, reqs, new_blocks = c.loads.T
     credit = (
         cfg.overlap_score_credit * dev
         + cfg.host_cache_hit_weight * host
@@ -383,8 +376,8 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
     per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
     busy = min(float(np.count_nonzero(has_load)) / max(len(c), 1), BUSY_CAP)
     recompute = cfg.ttft_recompute_weight * busy / (1.0 - busy)
-    decoding = np.where(has_load != 0, c.loads.T[5], 0)
-    others = cfg.ttft_decode_delay_weight * decoding * (uncached + onboard)
+    running = np.where(has_load != 0, c.loads.T[3], 0)
+    others = cfg.ttft_decode_delay_weight * running * (uncached + onboard)
     return (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token
 
 
@@ -571,7 +564,7 @@ class ReferenceRouter:
         cands = Candidates(
             keys,
             np.fromiter(flat(overlaps.get(k, TierOverlap()) for k in keys), np.int64, 5 * n).reshape(n, 5),
-            np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 6 * n).reshape(n, 6),
+            np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
             np.array(active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope), dtype=np.float64),
             active.rates.decode_slowdown(),
         )

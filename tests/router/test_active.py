@@ -157,4 +157,4 @@ def test_packed_and_tuple_ops_load_alike(Active: type) -> None:  # noqa: N803
         active.apply(add("b", W0, 64, 0, OTHER, 1000.0))
         active.apply(FreeRequest("b", 1001.0))
         loads.append((active.load(W0), active.loads_for([W0], CHAIN[:3] + OTHER[:1])))
-    assert loads[0] == loads[1] == [(WorkerLoad(160, 10, 1), [(True, 160, 10, 1, 1, 0)])][0]
+    assert loads[0] == loads[1] == [(WorkerLoad(160, 10, 1), [(True, 160, 10, 1, 1)])][0]

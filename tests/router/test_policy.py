@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstream.events.model import Cleared, Tier
-from kvstream.router.active import AddRequest, FreeRequest, PrefillDone
+from kvstream.router.active import AddRequest, PrefillDone
 from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.router.rates import PrefillRates
@@ -36,7 +36,7 @@ def reference_ttft(
     stored = o.device + o.host_pinned + o.disk + o.external
     uncached = max(isl - (stored + cfg.expected_cache_hit_weight * o.expected) * bs, 0)
     onboard = cfg.ttft_host_onboard_ratio * o.host_pinned * bs + cfg.ttft_disk_onboard_ratio * (o.disk + o.external) * bs
-    others = cfg.ttft_decode_delay_weight * (c.decoding_requests if c.has_load else 0) * (uncached + onboard)
+    others = cfg.ttft_decode_delay_weight * (c.active_requests if c.has_load else 0) * (uncached + onboard)
     recompute = cfg.ttft_recompute_weight * busy / (1 - busy)
     return (ahead + uncached + onboard + others) * per_token + recompute * uncached * per_token
 
@@ -51,7 +51,6 @@ candidates = st.builds(
     st.integers(0, 5000),
     st.integers(0, 64),
     st.integers(0, 100),
-    st.integers(0, 64),
 )
 
 
@@ -87,8 +86,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
     1.56 s on A against 0.13 s on B and picks B (its cost adds the recompute weight,
     times the share of busy candidates, times each one's own uncached prefill time, and
     the delay that prefill puts on each request running there)."""
-    a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2, 1)
-    b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4, 5)
+    a = Candidate(A, TierOverlap(device=2), True, 30_000, 0, 1, 2)
+    b = Candidate(B, TierOverlap(), True, 0, 100, 5, 4)
     isl = 2048
     cands = Candidates.from_rows([a, b])
     kv = Scheduler(SchedulerConfig(), random.Random(0)).schedule(isl, 512, cands)
@@ -102,8 +101,8 @@ def test_a_short_prompt_is_not_parked_behind_a_long_prefill() -> None:
 
 def test_onboarding_costs_by_tier_and_learned_rates() -> None:
     # Same prompt, 4 blocks of 512: A has them on disk, B on host; B wins at equal rates...
-    a = Candidate(A, TierOverlap(disk=4), False, 0, 0, 0, 4, 0)
-    b = Candidate(B, TierOverlap(host_pinned=4), False, 0, 0, 0, 4, 0)
+    a = Candidate(A, TierOverlap(disk=4), False, 0, 0, 0, 4)
+    b = Candidate(B, TierOverlap(host_pinned=4), False, 0, 0, 0, 4)
     base = Candidates.from_rows([a, b])
     sched = Scheduler(TTFT, random.Random(0))
     assert sched.schedule(2048, 512, base).chosen == 1
@@ -151,8 +150,8 @@ def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
     for _ in range(50):
         learned.observe(A, 20_000, 1.0)
         learned.observe(B, 20_000, 1.5)
-    a = Candidate(A, TierOverlap(), True, 20_000, 10, 1, 196, 1)
-    b = Candidate(B, TierOverlap(), False, 0, 0, 0, 196, 0)
+    a = Candidate(A, TierOverlap(), True, 20_000, 10, 1, 196)
+    b = Candidate(B, TierOverlap(), False, 0, 0, 0, 196)
     base = Candidates.from_rows([a, b])
     isl = 100_000
     for scope, chosen in (("worker", 0), ("fleet", 1)):
@@ -167,14 +166,14 @@ def test_recomputing_elsewhere_beats_a_cached_prefix_behind_a_long_queue_only_wh
     """A holds all but one block of a 64k-token prompt behind 80k queued tokens. With
     the other seven workers idle, later requests would hardly wait behind this one's
     prefill (the busy share 1/8: a recompute weight of 1/7), so computing it on an idle
-    worker (3.7 s) beats A's queue (4.0 s). With every other worker busy too, the
+    worker (3.7 s) beats A's queue (4.1 s). With every other worker busy too, the
     recompute weight applies ninefold and A wins."""
     isl, bs = 125 * 512, 512
     rates = np.full(8, 20_000.0)
-    held = Candidate(A, TierOverlap(device=124), True, 80_000, 0, 3, 1, 0)  # all three still prefilling
+    held = Candidate(A, TierOverlap(device=124), True, 80_000, 0, 3, 1)
 
     def others(queued: int) -> list[Candidate]:
-        return [Candidate(WorkerKey(w, 0), TierOverlap(), queued > 0, queued, 0, 1, 125, 0) for w in range(2, 9)]
+        return [Candidate(WorkerKey(w, 0), TierOverlap(), queued > 0, queued, 0, 1, 125) for w in range(2, 9)]
 
     for queued, chosen_held in ((0, False), (10_000, True)):
         rows = [held, *others(queued)]
@@ -213,8 +212,8 @@ def test_rates_and_the_decode_slowdown_are_learned_from_ttfts_made_by_the_model(
 def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
     """Equal queued prefill and rates, no cache: without a learned slowdown the two
     workers tie; with one, the worker holding 300 decode blocks costs more per token."""
-    a = Candidate(A, TierOverlap(), True, 1000, 300, 6, 200, 5)
-    b = Candidate(B, TierOverlap(), True, 1000, 20, 6, 200, 5)
+    a = Candidate(A, TierOverlap(), True, 1000, 300, 6, 200)
+    b = Candidate(B, TierOverlap(), True, 1000, 20, 6, 200)
     base = Candidates.from_rows([a, b])
     rates = np.array([20_000.0, 20_000.0])
     flat = predicted_ttft(TTFT, 100_000, 512, Candidates(base.workers, base.overlaps, base.loads, rates))
@@ -223,39 +222,8 @@ def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
     assert Scheduler(TTFT, random.Random(0)).schedule(100_000, 512, slowed).chosen == 1
     w = 1 + TTFT.ttft_recompute_weight * 0.9 / 0.1  # both busy: the share capped at 0.9
     assert predicted_ttft(TTFT, 100_000, 512, slowed).tolist() == pytest.approx(
-        [(1000 + w * 100_000 + 5 * 100_000) * (1 / 20_000 + 2e-8 * d) for d in (300, 20)]
+        [(1000 + w * 100_000 + 6 * 100_000) * (1 / 20_000 + 2e-8 * d) for d in (300, 20)]
     )
-
-
-def test_only_decoding_requests_are_charged_the_delay_of_a_prefill() -> None:
-    """A request still before its first token is scheduled ahead of a new one (running
-    requests first), so the new prefill delays only those decoding: a worker's delay
-    term counts a request from its PREFILL_DONE to its FREE, on the core and the
-    reference alike."""
-    router = Router(RouterConfig(block_size=16, scheduler=TTFT))
-    ref = ActiveSequences(clock=lambda: 0.0)
-    key = WorkerKey(7, 0)
-    ops = [AddRequest("r1", 7, 0, 64, 0, (), 0.0), AddRequest("r2", 7, 0, 64, 0, (), 0.0)]
-    for op in ops:
-        router.apply_active(op)
-        ref.apply(op)
-    decoding = lambda: [row[5] for row in (router.loads_for([key], [])[0], ref.loads_for([key], [])[0])]  # noqa: E731
-    assert decoding() == [0, 0]
-    for op in (PrefillDone("r1", 0.1), PrefillDone("r1", 0.2)):  # the second is not a first token
-        router.apply_active(op)
-        ref.apply(op)
-    assert decoding() == [1, 1]
-    for op in (FreeRequest("r2", 0.3), FreeRequest("r1", 0.4)):
-        router.apply_active(op)
-        ref.apply(op)
-        assert decoding() == [0, 0] if op.request_id == "r1" else decoding() == [1, 1]
-    a = Candidate(A, TierOverlap(), True, 2048, 0, 2, 4, 0)  # two prefilling
-    b = Candidate(B, TierOverlap(), True, 2048, 0, 2, 4, 2)  # two decoding
-    cands = Candidates(*[getattr(Candidates.from_rows([a, b]), f) for f in ("workers", "overlaps", "loads")],
-                       np.full(2, 20_000.0))
-    cost = predicted_ttft(TTFT, 2048, 512, cands)
-    assert cost[1] - cost[0] == pytest.approx(2 * 2048 / 20_000)
-    assert Scheduler(TTFT, random.Random(0)).schedule(2048, 512, cands).chosen == 0
 
 
 def test_active_sequences_learn_the_rate_from_route_to_first_token() -> None:

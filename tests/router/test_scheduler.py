@@ -17,7 +17,7 @@ A, B, C = WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(3, 0)
 
 
 def idle(key: WorkerKey, overlap: TierOverlap, blocks: int) -> Candidate:
-    return Candidate(key, overlap, False, 0, 0, 0, blocks, 0)
+    return Candidate(key, overlap, False, 0, 0, 0, blocks)
 
 
 def test_device_against_host_overlap_and_the_host_weight_decides() -> None:
@@ -53,7 +53,7 @@ def test_loaded_worker_every_term() -> None:
     # isl 64, B 16; 3 device blocks → credit 3, cached 48;
     # prefill = (100 + max(64-48, 0) + 48) / 16 = 10.25, cost 1.5·(10.25-3) = 10.875;
     # decode = 10 active + 1 new = 11; requests 2·0.5 = 1 → logit 22.875.
-    c = Candidate(A, TierOverlap(device=3), True, 100, 10, 2, 1, 2)
+    c = Candidate(A, TierOverlap(device=3), True, 100, 10, 2, 1)
     cfg = SchedulerConfig(prefill_load_scale=1.5, decode_active_request_weight=0.5)
     s = worker_logit(cfg, 64, 16, c)
     assert s.prefill_blocks == 10.25
@@ -65,7 +65,7 @@ def test_loaded_worker_every_term() -> None:
 def test_cached_beyond_the_prompt_and_no_load_entry() -> None:
     # credit 2·4 = 8 blocks > isl 64/16 = 4: cached 128 tokens.
     cfg = SchedulerConfig(overlap_score_credit=2.0)
-    loaded = Candidate(A, TierOverlap(device=4), True, 0, 0, 1, 0, 1)
+    loaded = Candidate(A, TierOverlap(device=4), True, 0, 0, 1, 0)
     s = worker_logit(cfg, 64, 16, loaded)
     assert s.cached_tokens == 128 and s.prefill_blocks == 8  # (0 + 0 + 128)/16
     assert s.prefill_cost == 0
@@ -116,8 +116,8 @@ def test_softmax_probabilities_and_sampling() -> None:
 
 
 def test_filters_and_the_reasons_when_nothing_is_eligible() -> None:
-    a = Candidate(A, TierOverlap(device=4), True, 500, 90, 3, 0, 3)
-    b = Candidate(B, TierOverlap(), True, 10, 200, 1, 4, 1)
+    a = Candidate(A, TierOverlap(device=4), True, 500, 90, 3, 0)
+    b = Candidate(B, TierOverlap(), True, 10, 200, 1, 4)
     sched = Scheduler(SchedulerConfig(max_active_decode_blocks=100), random.Random(0))
     sch = sched.schedule(64, 16, [a, b])
     assert sch.chosen == 0

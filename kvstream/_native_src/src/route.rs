@@ -76,13 +76,7 @@ struct Load {
     /// sequence hash → running requests holding it (shared blocks counted once).
     blocks: Map<u64, u32>,
     requests: i64,
-    /// Requests not past their first prefill_done: queued or computing their prompt.
-    prefilling: i64,
 }
-
-/// Columns of a load row: (has load entry, prefill tokens, decode blocks, requests, new
-/// blocks, decoding requests).
-const LOAD_COLS: usize = 6;
 
 /// Length of the prefix of `seqs` that `blocks` holds. The blocks of running requests
 /// are prefix-closed (each holds its whole chain), so the held part is a prefix.
@@ -138,7 +132,7 @@ impl Weights {
         if self.allowed_workers.as_ref().is_some_and(|a| !a.contains(&worker)) {
             return Some("not in allowed_workers".to_string());
         }
-        let (apt, adb) = (ld[LOAD_COLS * i + 1], ld[LOAD_COLS * i + 2]);
+        let (apt, adb) = (ld[5 * i + 1], ld[5 * i + 2]);
         if let Some(limit) = self.max_active_decode_blocks.filter(|&m| adb > m) {
             return Some(format!("busy: {adb} active decode blocks > {limit}"));
         }
@@ -179,7 +173,7 @@ fn py_list(xs: &[i64]) -> String {
 struct Inputs<'a> {
     isl: i64,
     block_size: i64,
-    /// n×5 overlaps and n×6 loads, as in `Decision`.
+    /// n×5 overlaps and n×5 loads, as in `Decision`.
     overlaps: &'a [i64],
     loads: &'a [i64],
     n: usize,
@@ -226,24 +220,21 @@ impl Cost for TtftCost<'_> {
         let (n, bs) = (x.n, x.block_size as f64);
         // The delay a unit of work adds to later arrivals grows as b/(1 - b) with the
         // share b of busy candidates (any request running), capped where it would explode.
-        let busy = (0..n).filter(|&i| x.loads[LOAD_COLS * i] != 0).count();
+        let busy = (0..n).filter(|&i| x.loads[5 * i] != 0).count();
         let b = (busy as f64 / n.max(1) as f64).min(BUSY_CAP);
         let recompute = self.recompute_weight * b / (1.0 - b);
         (0..n)
             .map(|i| {
                 let o = &x.overlaps[COLS * i..COLS * (i + 1)];
                 let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
-                let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
-                let has = row[0] != 0;
-                let ahead = if has { row[1] as f64 } else { 0.0 };
+                let has = x.loads[5 * i] != 0;
+                let ahead = if has { x.loads[5 * i + 1] as f64 } else { 0.0 };
                 let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
-                let decode = if has { row[2] } else { 0 };
-                // Only decoding requests wait for this prefill: those still prefilling are
-                // ahead of it (running requests are scheduled first) and in `ahead`.
-                let decoding = if has { row[5] } else { 0 };
+                let decode = if has { x.loads[5 * i + 2] } else { 0 };
+                let running = if has { x.loads[5 * i + 3] } else { 0 };
                 let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
-                let others = self.decode_delay_weight * decoding as f64 * (uncached + onboard);
+                let others = self.decode_delay_weight * running as f64 * (uncached + onboard);
                 (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token * 1000.0
             })
             .collect()
@@ -271,7 +262,6 @@ impl ActiveCore {
         let decode = load.blocks.len() as i64;
         load.prefill += prefill;
         load.requests += 1;
-        load.prefilling += 1;
         for &h in &hashes {
             *load.blocks.entry(h).or_insert(0) += 1;
         }
@@ -289,7 +279,6 @@ impl ActiveCore {
         let load = self.loads.get_mut(&req.key).expect("a request's worker has a load entry");
         load.prefill -= req.prefill;
         load.requests -= 1;
-        load.prefilling -= i64::from(req.added.is_some());
         if load.requests == 0 {
             self.loads.remove(&req.key); // its blocks go with it
             return Some((req.key, req.hashes));
@@ -323,18 +312,16 @@ impl ActiveCore {
         out
     }
 
-    /// (has load, prefill tokens, decode blocks, requests, new blocks of `seqs`,
-    /// decoding requests).
-    fn load_row(&self, key: &Key, seqs: &[u64]) -> [i64; LOAD_COLS] {
+    /// (has load, prefill tokens, decode blocks, requests, new blocks of `seqs`).
+    fn load_row(&self, key: &Key, seqs: &[u64]) -> [i64; 5] {
         match self.loads.get(key) {
-            None => [0, 0, 0, 0, seqs.len() as i64, 0],
+            None => [0, 0, 0, 0, seqs.len() as i64],
             Some(ld) => [
                 1,
                 ld.prefill,
                 ld.blocks.len() as i64,
                 ld.requests,
                 (seqs.len() - held_prefix(&ld.blocks, seqs)) as i64,
-                ld.requests - ld.prefilling,
             ],
         }
     }
@@ -365,8 +352,7 @@ fn logit_columns(w: &Weights, isl: i64, bs: i64, ov: &[i64], ld: &[i64], n: usiz
     for i in 0..n {
         let o = &ov[COLS * i..COLS * (i + 1)];
         let (dev, host, disk, ext, exp) = (o[0], o[1], o[2], o[3], o[4]);
-        let row = &ld[LOAD_COLS * i..LOAD_COLS * (i + 1)];
-        let (has, apt, adb, reqs, new) = (row[0], row[1], row[2], row[3], row[4]);
+        let (has, apt, adb, reqs, new) = (ld[5 * i], ld[5 * i + 1], ld[5 * i + 2], ld[5 * i + 3], ld[5 * i + 4]);
         let credit = w.overlap_score_credit * dev as f64 + w.host_cache_hit_weight * host as f64 + w.disk_cache_hit_weight * (disk + ext) as f64
             + w.expected_cache_hit_weight * exp as f64;
         let cached = (credit * bs as f64 + 0.5).floor();
@@ -458,7 +444,7 @@ fn decide(
             }
         }
     }
-    let mut loads = Vec::with_capacity(LOAD_COLS * n);
+    let mut loads = Vec::with_capacity(5 * n);
     for (_, key) in keys {
         loads.extend_from_slice(&active.load_row(key, &seqs));
     }
@@ -565,9 +551,6 @@ impl ActiveCore {
             self.loads.get_mut(&req.key).expect("load entry").prefill -= req.prefill;
             req.prefill = 0;
         }
-        if seen.is_some() {
-            self.loads.get_mut(&req.key).expect("load entry").prefilling -= 1;
-        }
         (true, seen)
     }
 
@@ -602,13 +585,12 @@ impl ActiveCore {
         self.requests.get(request_id).map(|r| r.key)
     }
 
-    /// Per key: (has load entry, prefill tokens, decode blocks, requests, new blocks,
-    /// decoding requests).
-    fn loads_for(&self, keys: Vec<Key>, seq_hashes: Vec<u64>) -> Vec<(bool, i64, i64, i64, i64, i64)> {
+    /// Per key: (has load entry, prefill tokens, decode blocks, requests, new blocks).
+    fn loads_for(&self, keys: Vec<Key>, seq_hashes: Vec<u64>) -> Vec<(bool, i64, i64, i64, i64)> {
         keys.iter()
             .map(|k| {
                 let r = self.load_row(k, &seq_hashes);
-                (r[0] != 0, r[1], r[2], r[3], r[4], r[5])
+                (r[0] != 0, r[1], r[2], r[3], r[4])
             })
             .collect()
     }
@@ -624,7 +606,7 @@ impl ActiveCore {
     /// with `request_id`, adds the request to the chosen worker.
     ///
     /// Returns (chosen row or None when no candidate is eligible, overlaps (n×5 i64: the tiers, then the expected blocks),
-    /// loads (n×6 i64), columns (7×n f64: the §5 terms, the last the policy's cost),
+    /// loads (n×5 i64), columns (7×n f64: the §5 terms, the last the policy's cost),
     /// probabilities (n f64), all as little-endian bytes, the prompt's sequence hashes
     /// (little-endian u64 bytes) when tracked, its token count, per candidate why it is
     /// excluded (None without filters), why none is eligible).
