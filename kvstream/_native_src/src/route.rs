@@ -78,6 +78,10 @@ struct Load {
     requests: i64,
 }
 
+/// Columns of a load row: (has load entry, prefill tokens, decode blocks, requests, new
+/// blocks).
+const LOAD_COLS: usize = 5;
+
 /// Length of the prefix of `seqs` that `blocks` holds. The blocks of running requests
 /// are prefix-closed (each holds its whole chain), so the held part is a prefix.
 fn held_prefix(blocks: &Map<u64, u32>, seqs: &[u64]) -> usize {
@@ -132,7 +136,7 @@ impl Weights {
         if self.allowed_workers.as_ref().is_some_and(|a| !a.contains(&worker)) {
             return Some("not in allowed_workers".to_string());
         }
-        let (apt, adb) = (ld[5 * i + 1], ld[5 * i + 2]);
+        let (apt, adb) = (ld[LOAD_COLS * i + 1], ld[LOAD_COLS * i + 2]);
         if let Some(limit) = self.max_active_decode_blocks.filter(|&m| adb > m) {
             return Some(format!("busy: {adb} active decode blocks > {limit}"));
         }
@@ -220,19 +224,20 @@ impl Cost for TtftCost<'_> {
         let (n, bs) = (x.n, x.block_size as f64);
         // The delay a unit of work adds to later arrivals grows as b/(1 - b) with the
         // share b of busy candidates (any request running), capped where it would explode.
-        let busy = (0..n).filter(|&i| x.loads[5 * i] != 0).count();
+        let busy = (0..n).filter(|&i| x.loads[LOAD_COLS * i] != 0).count();
         let b = (busy as f64 / n.max(1) as f64).min(BUSY_CAP);
         let recompute = self.recompute_weight * b / (1.0 - b);
         (0..n)
             .map(|i| {
                 let o = &x.overlaps[COLS * i..COLS * (i + 1)];
                 let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
-                let has = x.loads[5 * i] != 0;
-                let ahead = if has { x.loads[5 * i + 1] as f64 } else { 0.0 };
+                let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
+                let has = row[0] != 0;
+                let ahead = if has { row[1] as f64 } else { 0.0 };
                 let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
-                let decode = if has { x.loads[5 * i + 2] } else { 0 };
-                let running = if has { x.loads[5 * i + 3] } else { 0 };
+                let decode = if has { row[2] } else { 0 };
+                let running = if has { row[3] } else { 0 };
                 let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
                 let others = self.decode_delay_weight * running as f64 * (uncached + onboard);
                 (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token * 1000.0
@@ -313,7 +318,7 @@ impl ActiveCore {
     }
 
     /// (has load, prefill tokens, decode blocks, requests, new blocks of `seqs`).
-    fn load_row(&self, key: &Key, seqs: &[u64]) -> [i64; 5] {
+    fn load_row(&self, key: &Key, seqs: &[u64]) -> [i64; LOAD_COLS] {
         match self.loads.get(key) {
             None => [0, 0, 0, 0, seqs.len() as i64],
             Some(ld) => [
@@ -352,7 +357,8 @@ fn logit_columns(w: &Weights, isl: i64, bs: i64, ov: &[i64], ld: &[i64], n: usiz
     for i in 0..n {
         let o = &ov[COLS * i..COLS * (i + 1)];
         let (dev, host, disk, ext, exp) = (o[0], o[1], o[2], o[3], o[4]);
-        let (has, apt, adb, reqs, new) = (ld[5 * i], ld[5 * i + 1], ld[5 * i + 2], ld[5 * i + 3], ld[5 * i + 4]);
+        let row = &ld[LOAD_COLS * i..LOAD_COLS * (i + 1)];
+        let (has, apt, adb, reqs, new) = (row[0], row[1], row[2], row[3], row[4]);
         let credit = w.overlap_score_credit * dev as f64 + w.host_cache_hit_weight * host as f64 + w.disk_cache_hit_weight * (disk + ext) as f64
             + w.expected_cache_hit_weight * exp as f64;
         let cached = (credit * bs as f64 + 0.5).floor();
@@ -444,7 +450,7 @@ fn decide(
             }
         }
     }
-    let mut loads = Vec::with_capacity(5 * n);
+    let mut loads = Vec::with_capacity(LOAD_COLS * n);
     for (_, key) in keys {
         loads.extend_from_slice(&active.load_row(key, &seqs));
     }
