@@ -138,8 +138,9 @@ class ActiveSequences:
         self.ttl_s = ttl_s
         self.clock = clock
         self.core = ActiveCore(ttl_s)
-        #: Prefill throughput per worker, learned from route → prefill_done times (the
-        #: ttft policy's rates; folded from the same ops, so replicas agree).
+        #: Prefill throughput per worker, learned from each prompt's own prefill time up
+        #: to its prefill_done (the ttft policy's rates; folded from the same ops, so
+        #: replicas agree).
         self.rates = PrefillRates()
 
     def __len__(self) -> int:

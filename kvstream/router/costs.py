@@ -6,10 +6,10 @@ tests/router/reference_router.py).
 time to first token it predicts there, in ms:
 
 ```
-ahead    = active_prefill_tokens[w]                  # queued prefill work, in tokens
 uncached = max(isl − (device + host + disk + external)[w]·B, 0)
 onboard  = host_onboard_ratio·host[w]·B + disk_onboard_ratio·(disk + external)[w]·B
 per_tok  = 1 / rate[w] + decode_slowdown·active_decode_blocks[w]   # seconds per token
+ahead    = w's queued prefill less what its head has computed by now (below)
 ttft[w]  = (ahead + uncached + onboard)·per_tok      # seconds
 b        = min(share of the candidates with a request running, 0.9)
 cost[w]  = ttft[w] + recompute_weight·b/(1 − b)·uncached·per_tok
@@ -43,6 +43,20 @@ first (FCFS), they are decoding by the time this prefill runs, and it delays the
 Counting only those past their first token gave cache away for load at 3× the
 conversation trace (medians of 3 alternating pairs: cached share 0.128 → 0.122, TTFT
 p50/p99 186/1,296 → 206/1,393 ms; docs/RESULTS.md).
+
+``ahead`` is not the queued requests' whole uncached prompts: the one at the head of
+the worker's queue (first come, first served) is partly done. It could start when it
+was routed or at the worker's previous first token, whichever is later, and has been
+computed at ``per_tok`` since; those behind it count whole, since they wait for its
+first token, which has not come (route.rs, ``Load::queued``; the load's
+``prefill_tokens``, which kv and the filters read, stays the whole prompts). At 1× the
+conversation trace the whole prompts sent a prompt away from the worker holding 95 % of
+it, whose 4,298 queued tokens took 192 ms to drain, not the 897 ms they priced. Draining
+the whole queue as a fluid at ``per_tok`` instead (the requests behind the head too)
+kept as much cache but lengthened the tail under heavy load (``kvstream simulate`` at
+speed 3: TTFT p99 5,822–5,902 ms against the head's 5,736–5,746), where the head takes
+longer than the rate says and the fluid drains what has not started. The learned rates
+time each prompt's own prefill the same way (kvstream.router.rates).
 
 The legs of a disaggregated request delay no decode (the gateway routes both with the
 weight at 0, kvstream.gateway.relay): a prefill worker's requests decode elsewhere, and a

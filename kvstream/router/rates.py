@@ -1,26 +1,29 @@
 """Prefill throughput learned online (DESIGN.md §5): the ``ttft`` cost's inputs
 (kvstream.router.costs), from the times to first token the router observes.
 
-:class:`PrefillRates` learns from what the router observes: a request routed at t0 with
-``ahead`` tokens queued before it and ``own`` tokens of its own prefill reports its
-first token at t1, so the worker got through ``ahead + own`` tokens in ``t1 − t0``
-seconds (its TTFT). Rates are decayed sums (tokens and seconds separately, so large
-requests weigh as much as the work they carry), kept per worker. By default
-(``ttft_rate_scope = "fleet"``) the policy prices every worker at the fleet's rate, the
-per-worker sums pooled: one TTFT also carries what the router cannot see (onboarding
-that dedup reports as device hits, prefill already done of the requests counted
-ahead), so the per-worker estimates of identical workers drift apart with their
-traffic (13k–18k tokens/s on the Mooncake trace) and long prompts chased the worker
-that looked fastest past idle ones. ``"worker"`` prices each at its own rate, for a
-fleet of unequal GPUs; a worker with no sample yet gets the mean of the known rates,
-or the configured prior when none is known.
+:class:`PrefillRates` learns from what the router observes: a request's prefill starts
+when it is routed (t0) or when the previous first token on its worker comes, whichever
+is later (engines prefill first come, first served), and ends at its own first token
+(t1); so the worker computed the ``own`` uncached tokens of its prompt in ``t1 −
+max(t0, previous first token)`` seconds (kvstream/_native_src/src/route.rs,
+``prefill_done``). Counting the whole queue found ahead at t0 instead overstated the
+work (the prompt being computed was partly done) and the rate with it. Rates are decayed
+sums (tokens and seconds separately, so large requests weigh as much as the work they
+carry), kept per worker. By default (``ttft_rate_scope = "fleet"``) the policy prices
+every worker at the fleet's rate, the per-worker sums pooled: one prefill also carries
+what the router cannot see (onboarding that dedup reports as device hits, the chunks
+it shares with the requests beside it), so the per-worker estimates of identical
+workers drift apart with their traffic (13k–18k tokens/s on the Mooncake trace) and
+long prompts chased the worker that looked fastest past idle ones. ``"worker"`` prices
+each at its own rate, for a fleet of unequal GPUs; a worker with no sample yet gets the
+mean of the known rates, or the configured prior when none is known.
 
 ``decode_slowdown`` (seconds per prefilled token per active decode block) is learned
 from the same observations, for the whole fleet: the requests already running on a
 worker slow its prefill (every step of a chunked prefill also decodes them and reads
 their KV, so a prompt of more chunks pays that more often), and they hold its memory
 and batch slots (a long prompt waits for room in G1 while they decode). Queued prefill
-alone shows neither. The model is ``TTFT = tokens·(1 / rate[w] + decode_slowdown·
+alone shows neither. The model is ``time = tokens·(1 / rate[w] + decode_slowdown·
 decode_blocks)`` (decode blocks as the router saw them when it routed the request),
 fitted by alternating least squares on decayed sums: each worker's rate from its TTFTs
 less the current slowdown, and the slowdown from the residuals against the current
@@ -40,8 +43,8 @@ from kvstream.router.index import WorkerKey
 RATE_SCOPES = ("fleet", "worker")
 
 #: Weight of the newest observation in the decayed sums of :class:`PrefillRates`: small,
-#: because one request's TTFT is a noisy sample (the work queued ahead of it was partly
-#: done already); at 0.1 the noise alone made identical workers look different enough
+#: because one request's prefill time is a noisy sample (it shares its steps with the
+#: chunks and decodes beside it); at 0.1 the noise alone made identical workers look different enough
 #: to cost 15% of TTFT p99 on the Mooncake trace, at 0.01 it no longer does.
 DEFAULT_RATE_ALPHA = 0.01
 
@@ -62,9 +65,9 @@ class PrefillRates:
     def observe(self, key: WorkerKey, tokens: int, seconds: float, decode_blocks: int = 0) -> None:
         """The worker went through ``tokens`` of prefill in ``seconds`` while holding
         ``decode_blocks`` for running requests (when the request was routed). Samples
-        with no elapsed time (clock skew, a replay at one instant) carry no rate and are
-        ignored."""
-        if not seconds > 0 or tokens < 0:
+        with no elapsed time (clock skew, a replay at one instant) or no tokens (a prompt
+        found whole in the cache) carry no rate and are ignored."""
+        if not seconds > 0 or tokens <= 0:
             return
         a = self.alpha
         rate = self.rate(key)

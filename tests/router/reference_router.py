@@ -48,21 +48,28 @@ class Candidates(CoreCandidates):
     rates: np.ndarray | None = None
     #: Learned prefill slowdown per active decode block (seconds per token).
     decode_slowdown_s: float = 0.0
+    #: Per candidate, its prefill queue (_Load.queue's (added, tokens)) and the latest
+    #: first token at its head (None: no load entry).
+    queues: tuple[tuple[float, tuple[tuple[float, int], ...]] | None, ...] = ()
+    #: When the decision is made (the queues drain until then).
+    now: float = 0.0
 
     @classmethod
     def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
+        """Candidates as rows say them: each one's prefill tokens queued just now (at 0)."""
         n = len(rows)
         return cls(
             tuple(c[0] for c in rows),
             np.array([c[1] for c in rows], dtype=np.int64).reshape(n, 5),
             np.array([c[2:] for c in rows], dtype=np.int64).reshape(n, 5),
+            queues=tuple((-math.inf, ((0.0, c.active_prefill_tokens),) if c.active_prefill_tokens else ()) for c in rows),
         )
 
 
 # -- active sequences (§6) -----------------------------------------------------------
 
 class _Request:
-    __slots__ = ("request_id", "key", "prefill_tokens", "hashes", "serial", "ahead", "decode_blocks", "added_s")
+    __slots__ = ("request_id", "key", "prefill_tokens", "hashes", "serial", "decode_blocks", "added_s")
 
     def __init__(
         self,
@@ -71,7 +78,6 @@ class _Request:
         prefill_tokens: int,
         hashes: Sequence[int],
         serial: int,
-        ahead: int,
         decode_blocks: int,
         added_s: float | None,
     ) -> None:
@@ -80,15 +86,13 @@ class _Request:
         self.prefill_tokens = prefill_tokens
         self.hashes = hashes
         self.serial = serial
-        #: Prefill tokens queued on the worker when this request was routed.
-        self.ahead = ahead
         #: Active decode blocks of the worker when this request was routed.
         self.decode_blocks = decode_blocks
         self.added_s = added_s
 
 
 class _Load:
-    __slots__ = ("prefill_tokens", "blocks", "requests")
+    __slots__ = ("prefill_tokens", "blocks", "requests", "queue", "last_done")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -96,6 +100,22 @@ class _Load:
         #: Counter because its update() counts a whole chain in C.
         self.blocks: Counter[int] = Counter()
         self.requests = 0
+        #: serial → (added, prefill tokens) of the requests not past their first token,
+        #: in the order they were added (first come, first served).
+        self.queue: dict[int, tuple[float, int]] = {}
+        #: The latest first token of a request at the queue's head.
+        self.last_done = -math.inf
+
+
+def queued(last_done: float, queue: Sequence[tuple[float, int]], now: float, per_token: float) -> float:
+    """The prefill tokens still queued at ``now``: the head's prompt less what it
+    computed at ``per_token`` seconds a token since it could start (its add, or the latest
+    first token before it), and the whole prompts behind it."""
+    if not queue:
+        return 0.0
+    (added, head), behind = queue[0], sum(tokens for _, tokens in queue[1:])
+    start = max(added, last_done)
+    return max(head - max(now - start, 0.0) / per_token, 0.0) + behind
 
 
 class ActiveSequences:
@@ -108,8 +128,9 @@ class ActiveSequences:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         self.ttl_s = ttl_s
         self.clock = clock
-        #: Prefill throughput per worker, learned from route → prefill_done times (the
-        #: ttft policy's rates; folded from the same ops, so replicas agree).
+        #: Prefill throughput per worker, learned from each prompt's own prefill time up
+        #: to its prefill_done (the ttft policy's rates; folded from the same ops, so
+        #: replicas agree).
         self.rates = PrefillRates()
         self._requests: dict[str, _Request] = {}
         self._loads: dict[WorkerKey, _Load] = {}
@@ -130,13 +151,16 @@ class ActiveSequences:
             self._add(op)
         elif isinstance(op, PrefillDone):
             req = self._get(op.request_id, "prefill_done")
-            if req.added_s is not None:  # the first prefill_done: the request's TTFT
-                self.rates.observe(
-                    req.key, req.ahead + req.prefill_tokens, op.timestamp - req.added_s, req.decode_blocks
-                )
+            load = self._loads[req.key]
+            if req.added_s is not None:  # the first prefill_done: its own prefill's time
+                start = max(req.added_s, load.last_done)
+                if not load.queue or next(iter(load.queue)) == req.serial:
+                    load.last_done = max(load.last_done, op.timestamp)
+                self.rates.observe(req.key, req.prefill_tokens, op.timestamp - start, req.decode_blocks)
                 req.added_s = None
             if req.prefill_tokens:
-                self._loads[req.key].prefill_tokens -= req.prefill_tokens
+                load.prefill_tokens -= req.prefill_tokens
+                del load.queue[req.serial]
                 req.prefill_tokens = 0
         elif isinstance(op, FreeRequest):
             self._free(self._get(op.request_id, "free"))
@@ -169,10 +193,11 @@ class ActiveSequences:
             load = self._loads[key] = _Load()
         prefill = max(op.isl - op.overlap_tokens, 0)
         req = _Request(
-            op.request_id, key, prefill, op.sequence_hashes, next(self._serial), load.prefill_tokens,
-            len(load.blocks), op.timestamp,
+            op.request_id, key, prefill, op.sequence_hashes, next(self._serial), len(load.blocks), op.timestamp,
         )
         self._requests[op.request_id] = req
+        if prefill:
+            load.queue[req.serial] = (op.timestamp, prefill)
         load.prefill_tokens += prefill
         load.requests += 1
         load.blocks.update(op.sequence_hashes)
@@ -182,6 +207,8 @@ class ActiveSequences:
         del self._requests[req.request_id]
         load = self._loads[req.key]
         load.prefill_tokens -= req.prefill_tokens
+        if req.prefill_tokens:
+            del load.queue[req.serial]
         load.requests -= 1
         if not load.requests:
             del self._loads[req.key]  # its blocks go with it
@@ -245,6 +272,12 @@ class ActiveSequences:
                     (True, ld.prefill_tokens, len(blocks), ld.requests, n - held(blocks, seq_hashes))
                 )
         return out
+
+    def queues_for(self, keys: Sequence[WorkerKey]) -> tuple[tuple[float, tuple[tuple[float, int], ...]] | None, ...]:
+        """Per key, its prefill queue and the latest first token at its head (None: no
+        load entry)."""
+        lds = [self._loads.get(k) for k in keys]
+        return tuple(None if ld is None else (ld.last_done, tuple(ld.queue.values())) for ld in lds)
 
 
 def _held_prefix(blocks: dict[int, int], seq_hashes: Sequence[int]) -> int:
@@ -368,12 +401,16 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
     """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
     first token, plus the weighted delay its uncached prefill puts on later requests."""
     dev, host, disk, ext, exp = c.overlaps.T.astype(np.float64)
-    has_load, apt = c.loads.T[0], c.loads.T[1]
-    ahead = np.where(has_load != 0, apt, 0).astype(np.float64)
+    has_load = c.loads.T[0]
     uncached = np.maximum(isl - (dev + host + disk + ext + cfg.expected_cache_hit_weight * exp) * block_size, 0.0)
     onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
     per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
+    queues = c.queues or (None,) * len(c)
+    ahead = np.array([
+        queued(q[0], q[1], c.now, float(pt)) if q is not None and h else 0.0
+        for q, h, pt in zip(queues, has_load, per_token)
+    ])
     busy = min(float(np.count_nonzero(has_load)) / max(len(c), 1), BUSY_CAP)
     recompute = cfg.ttft_recompute_weight * busy / (1.0 - busy)
     running = np.where(has_load != 0, c.loads.T[3], 0)
@@ -567,5 +604,7 @@ class ReferenceRouter:
             np.fromiter(flat(active.loads_for(keys, seq_hashes)), np.int64, 5 * n).reshape(n, 5),
             np.array(active.rates.rates_for(keys, sched.ttft_prior_tokens_per_s, sched.ttft_rate_scope), dtype=np.float64),
             active.rates.decode_slowdown(),
+            active.queues_for(keys),
+            self.clock() if now is None else now,
         )
         return self.scheduler.schedule(isl, self.config.block_size, cands, overrides)

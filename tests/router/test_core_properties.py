@@ -193,7 +193,7 @@ def test_core_decides_as_the_reference(seed: int) -> None:
                 except RouterError:
                     pass  # expired meanwhile: both must say so (checked by the state below)
         elif roll == 8:
-            clock.now += rng.choice([1.0, 20.0, 60.0])
+            clock.now += rng.choice([0.001, 0.01, 1.0, 20.0, 60.0])  # small: queues part drained
         elif rng.random() < 0.3:
             w = rng.randrange(6)
             if ref.knows(w):

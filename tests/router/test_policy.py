@@ -4,6 +4,7 @@ prefill work, the uncached prompt, onboarding per tier and learned throughput.""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstream.events.model import Cleared, Tier
+from kvstream.router.active import ActiveSequences as CoreActiveSequences
 from kvstream.router.active import AddRequest, PrefillDone
 from kvstream.router.errors import SchedulerConfigError
 from kvstream.router.index import TierOverlap, WorkerKey
@@ -68,7 +70,7 @@ def test_predicted_ttft_matches_the_formula(rows, isl, rates, host, disk, recomp
     cfg = SchedulerConfig(policy="ttft", ttft_host_onboard_ratio=host, ttft_disk_onboard_ratio=disk,
                           ttft_recompute_weight=recompute)
     base = Candidates.from_rows(rows)
-    c = Candidates(base.workers, base.overlaps, base.loads, np.array(rates[: len(rows)]), slowdown)
+    c = replace(base, rates=np.array(rates[: len(rows)]), decode_slowdown_s=slowdown)
     got = predicted_ttft(cfg, isl, 16, c)
     busy = min(sum(1 for r in rows if r.has_load) / len(rows), 0.9)
     want = [reference_ttft(cfg, isl, 16, r, rate, slowdown, busy) for r, rate in zip(rows, rates)]
@@ -107,7 +109,7 @@ def test_onboarding_costs_by_tier_and_learned_rates() -> None:
     sched = Scheduler(TTFT, random.Random(0))
     assert sched.schedule(2048, 512, base).chosen == 1
     # ...but not when B is known to be six times slower.
-    slow_b = Candidates(base.workers, base.overlaps, base.loads, np.array([20_000.0, 20_000.0 / 6]))
+    slow_b = replace(base, rates=np.array([20_000.0, 20_000.0 / 6]))
     assert sched.schedule(2048, 512, slow_b).chosen == 0
 
 
@@ -156,7 +158,7 @@ def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
     isl = 100_000
     for scope, chosen in (("worker", 0), ("fleet", 1)):
         rates = np.array(learned.rates_for(base.workers, 20_000.0, scope))
-        cands = Candidates(base.workers, base.overlaps, base.loads, rates)
+        cands = replace(base, rates=rates)
         # The running request's delay apart (it alone would send the prompt to B).
         cfg = SchedulerConfig(policy="ttft", ttft_rate_scope=scope, ttft_decode_delay_weight=0.0)
         assert Scheduler(cfg, random.Random(0)).schedule(isl, 512, cands).chosen == chosen, scope
@@ -178,7 +180,7 @@ def test_recomputing_elsewhere_beats_a_cached_prefix_behind_a_long_queue_only_wh
     for queued, chosen_held in ((0, False), (10_000, True)):
         rows = [held, *others(queued)]
         base = Candidates.from_rows(rows)
-        c = Candidates(base.workers, base.overlaps, base.loads, rates)
+        c = replace(base, rates=rates)
         sch = Scheduler(TTFT, random.Random(0)).schedule(isl, bs, c)
         assert (sch.chosen == 0) is chosen_held, queued
         busy = min((1 + (7 if queued else 0)) / 8, 0.9)
@@ -216,9 +218,9 @@ def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
     b = Candidate(B, TierOverlap(), True, 1000, 20, 6, 200)
     base = Candidates.from_rows([a, b])
     rates = np.array([20_000.0, 20_000.0])
-    flat = predicted_ttft(TTFT, 100_000, 512, Candidates(base.workers, base.overlaps, base.loads, rates))
+    flat = predicted_ttft(TTFT, 100_000, 512, replace(base, rates=rates))
     assert flat[0] == flat[1]
-    slowed = Candidates(base.workers, base.overlaps, base.loads, rates, 2e-8)
+    slowed = replace(base, rates=rates, decode_slowdown_s=2e-8)
     assert Scheduler(TTFT, random.Random(0)).schedule(100_000, 512, slowed).chosen == 1
     w = 1 + TTFT.ttft_recompute_weight * 0.9 / 0.1  # both busy: the share capped at 0.9
     assert predicted_ttft(TTFT, 100_000, 512, slowed).tolist() == pytest.approx(
@@ -226,17 +228,65 @@ def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
     )
 
 
-def test_active_sequences_learn_the_rate_from_route_to_first_token() -> None:
-    act = ActiveSequences(clock=lambda: 0.0)
+@pytest.mark.parametrize("Active", [ActiveSequences, CoreActiveSequences], ids=["reference", "core"])
+def test_the_rate_is_learned_from_each_prompts_own_prefill_time(Active: type) -> None:  # noqa: N803
+    """A request's prefill starts when it is routed or when the worker's previous first
+    token comes, whichever is later (first come, first served): its own tokens over that
+    time teach the rate, not the whole queue ahead of it, part of which was done."""
+    act = Active(clock=lambda: 0.0)
     act.rates = PrefillRates(alpha=0.1)
-    act.apply(AddRequest("r1", 1, 0, 4000, 0, (1, 2), 10.0))
-    act.apply(AddRequest("r2", 1, 0, 2000, 1000, (3,), 10.5))  # 4000 tokens queued ahead of it
+    act.apply(AddRequest("r1", 1, 0, 4000, 0, (), 10.0))
+    act.apply(AddRequest("r2", 1, 0, 2000, 1000, (), 10.1))  # r1 half done by now
     act.apply(PrefillDone("r1", 10.2))  # 4000 tokens in 0.2 s
     assert act.rates.rate(A) == pytest.approx(20_000)
-    act.apply(PrefillDone("r2", 10.5 + 0.25))  # 4000 ahead + 1000 own in 0.25 s
-    assert act.rates.rate(A) == pytest.approx((0.9 * 4000 + 0.1 * 5000) / (0.9 * 0.2 + 0.1 * 0.25))
+    act.apply(PrefillDone("r2", 10.25))  # its 1000 from r1's first token: 0.05 s, not 0.15
     act.apply(PrefillDone("r2", 11.0))  # a repeated prefill_done teaches nothing more
-    assert act.rates.rate(A) == pytest.approx((0.9 * 4000 + 0.1 * 5000) / (0.9 * 0.2 + 0.1 * 0.25))
+    # A short prompt finishing in the chunks left beside an older long one does not
+    # move the long one's start.
+    act.apply(AddRequest("r3", 1, 0, 2000, 0, (), 11.0))
+    act.apply(AddRequest("r4", 1, 0, 100, 0, (), 11.05))
+    act.apply(PrefillDone("r4", 11.06))  # 100 tokens from its add: 0.01 s
+    act.apply(PrefillDone("r3", 11.1))  # 2000 tokens from its add: 0.1 s
+    tokens, seconds = 4000.0, 0.2
+    for tok, sec in ((1000, 0.05), (100, 0.01), (2000, 0.1)):
+        tokens, seconds = 0.9 * tokens + 0.1 * tok, 0.9 * seconds + 0.1 * sec
+    assert act.rates.rate(A) == pytest.approx(tokens / seconds)
+    # A prompt found whole in the cache computed nothing: no sample.
+    act.apply(AddRequest("r5", 1, 0, 500, 500, (), 12.0))
+    act.apply(PrefillDone("r5", 12.5))
+    assert act.rates.rate(A) == pytest.approx(tokens / seconds)
+
+
+def test_a_queue_counts_what_is_left_of_it() -> None:
+    """ttft prices the prefill queued on a worker at what is left of it: the prompt at
+    its head less what it computed at the learned rate since it could start. A holds most
+    of a prompt and computes a 20,000-token one (1 s at the prior's 20k tokens/s): the
+    prompt goes to idle B while that has just started, and to A once it is nearly done,
+    unless another long prompt waits behind it."""
+    now = [100.0]
+    router = Router(RouterConfig(block_size=16, scheduler=TTFT), clock=lambda: now[0], rng=random.Random(0))
+    prompt = list(range(5000, 5000 + 16 * 70))
+    for w in (1, 2):
+        router.apply_event(Cleared(w, 0, Tier.DEVICE, 0, 0))
+    router.find_best_match(prompt[: 16 * 64], request_id="holder", overrides=_only(1))
+    router.prefill_done("holder")
+    router.find_best_match(list(range(50_000, 70_000)), request_id="long", overrides=_only(1))
+    assert router.find_best_match(prompt, query_only=True).worker == B
+    now[0] += 0.98
+    assert router.find_best_match(prompt, query_only=True).worker == A
+    # The queue's length as the load reports it is unchanged: only ttft's estimate drains.
+    assert router.load(A).prefill_tokens == 20_000
+    # What waits behind the head has not started: the head's progress does not drain it.
+    router.find_best_match(list(range(80_000, 90_000)), request_id="behind", overrides=_only(1))
+    now[0] += 0.5  # the head overdue: 0 left of it, 10,000 behind
+    assert router.find_best_match(prompt, query_only=True).worker == B
+    # Its first token moves the queue on: "behind" starts then, at full length, at the
+    # rate learned from "long" (20,000 tokens in 1.48 s).
+    router.prefill_done("long")
+    assert router.learned_rates().fleet == pytest.approx(20_000 / 1.48)
+    assert router.find_best_match(prompt, query_only=True).worker == B
+    now[0] += 0.98 * 10_000 / (20_000 / 1.48)  # 9,800 of its 10,000 tokens computed
+    assert router.find_best_match(prompt, query_only=True).worker == A
 
 
 def test_policy_config_and_per_request_override() -> None:

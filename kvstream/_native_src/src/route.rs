@@ -62,20 +62,50 @@ struct Req {
     prefill: i64,
     hashes: Vec<u64>,
     serial: u64,
-    /// Prefill tokens queued on the worker when the request was added.
-    ahead: i64,
     /// Active decode blocks of the worker when the request was added.
     decode: i64,
     /// When it was added, until its first prefill_done (the ttft policy learns from it).
     added: Option<f64>,
 }
 
-#[derive(Default)]
 struct Load {
     prefill: i64,
     /// sequence hash → running requests holding it (shared blocks counted once).
     blocks: Map<u64, u32>,
     requests: i64,
+    /// (serial, added, prefill tokens) of the requests not past their first token, in
+    /// the order they were added: the engine's first-come-first-served prefill queue.
+    queue: Vec<(u64, f64, i64)>,
+    /// The latest first token of a request at the queue's head: those queued behind it
+    /// started no earlier.
+    last_done: f64,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load { prefill: 0, blocks: Map::default(), requests: 0, queue: Vec::new(), last_done: f64::NEG_INFINITY }
+    }
+}
+
+impl Load {
+    /// The prefill tokens still queued at `now`, at `per_token` seconds a token. The
+    /// whole prompts of the queued requests overstate it: the one at the head is partly
+    /// done, computed since it could start (its add, or the latest first token before
+    /// it); those behind it wait for its first token, not seen yet (at 1x the
+    /// conversation trace, 4,298 queued tokens took 192 ms to drain, not the 897 ms
+    /// they would whole).
+    fn queued(&self, now: f64, per_token: f64) -> f64 {
+        let Some(&(_, added, head)) = self.queue.first() else { return 0.0 };
+        let behind: i64 = self.queue[1..].iter().map(|q| q.2).sum();
+        let start = added.max(self.last_done);
+        (head as f64 - (now - start).max(0.0) / per_token).max(0.0) + behind as f64
+    }
+
+    fn dequeue(&mut self, serial: u64) {
+        if let Some(i) = self.queue.iter().position(|q| q.0 == serial) {
+            self.queue.remove(i);
+        }
+    }
 }
 
 /// Columns of a load row: (has load entry, prefill tokens, decode blocks, requests, new
@@ -206,6 +236,9 @@ const BUSY_CAP: f64 = 0.9;
 struct TtftCost<'a> {
     /// Tokens/s per candidate (the learner's, kvstream/router/rates.py).
     rates: &'a [f64],
+    /// Per candidate, its load entry (None: no request running).
+    queues: Vec<Option<&'a Load>>,
+    now: f64,
     /// Seconds per prefilled token per active decode block.
     decode_slowdown: f64,
     host_ratio: f64,
@@ -233,12 +266,15 @@ impl Cost for TtftCost<'_> {
                 let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
                 let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
                 let has = row[0] != 0;
-                let ahead = if has { row[1] as f64 } else { 0.0 };
                 let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
                 let decode = if has { row[2] } else { 0 };
                 let running = if has { row[3] } else { 0 };
                 let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
+                let ahead = match self.queues[i] {
+                    Some(ld) if has => ld.queued(self.now, per_token),
+                    _ => 0.0,
+                };
                 let others = self.decode_delay_weight * running as f64 * (uncached + onboard);
                 (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token * 1000.0
             })
@@ -263,17 +299,19 @@ impl ActiveCore {
         }
         let prefill = (isl - overlap).max(0);
         let load = self.loads.entry(key).or_default();
-        let ahead = load.prefill;
         let decode = load.blocks.len() as i64;
+        let serial = self.serial;
+        self.serial += 1;
         load.prefill += prefill;
         load.requests += 1;
+        if prefill > 0 {
+            load.queue.push((serial, ts, prefill));
+        }
         for &h in &hashes {
             *load.blocks.entry(h).or_insert(0) += 1;
         }
-        let serial = self.serial;
-        self.serial += 1;
         self.expiry.push(Reverse((Stamp(ts), serial, rid.clone())));
-        self.requests.insert(rid, Req { key, prefill, hashes, serial, ahead, decode, added: Some(ts) });
+        self.requests.insert(rid, Req { key, prefill, hashes, serial, decode, added: Some(ts) });
         true
     }
 
@@ -284,6 +322,9 @@ impl ActiveCore {
         let load = self.loads.get_mut(&req.key).expect("a request's worker has a load entry");
         load.prefill -= req.prefill;
         load.requests -= 1;
+        if req.prefill != 0 {
+            load.dequeue(req.serial);
+        }
         if load.requests == 0 {
             self.loads.remove(&req.key); // its blocks go with it
             return Some((req.key, req.hashes));
@@ -431,6 +472,7 @@ fn decide(
     w: &Weights,
     rates: Option<&Rates>,
     r: f64,
+    now: f64,
 ) -> PyResult<Decision> {
     let Prompt { isl, mut seqs } = prompt;
     // Every hash is there already: the walk's fill has nothing to add.
@@ -462,6 +504,8 @@ fn decide(
         None => KvCost.costs(&inputs, &columns),
         Some(rates) => TtftCost {
             rates: &rates.per_candidate,
+            queues: keys.iter().map(|(_, k)| active.loads.get(k)).collect(),
+            now,
             decode_slowdown: rates.decode_slowdown,
             host_ratio: w.ttft_host_onboard_ratio,
             disk_ratio: w.ttft_disk_onboard_ratio,
@@ -547,14 +591,28 @@ impl ActiveCore {
     }
 
     /// The request's prefill tokens stop loading its worker. (False, None) when not
-    /// active; else (True, and on its first prefill_done (worker_id, dp_rank, tokens ahead
-    /// + its own, seconds since added, decode blocks when added) for the ttft policy's rates).
+    /// active; else (True, and on its first prefill_done (worker_id, dp_rank, its prefill
+    /// tokens, seconds since it could start, decode blocks when added) for the ttft
+    /// policy's rates). It could start when it was added or when the worker's previous
+    /// first token came, whichever is later (first come, first served): its own
+    /// prefill's time, not the queue's before it.
     #[allow(clippy::type_complexity)]
     fn prefill_done(&mut self, request_id: &str, timestamp: f64) -> (bool, Option<(i64, i64, i64, f64, i64)>) {
         let Some(req) = self.requests.get_mut(request_id) else { return (false, None) };
-        let seen = req.added.take().map(|t| (req.key.0, req.key.1, req.ahead + req.prefill, timestamp - t, req.decode));
+        let load = self.loads.get_mut(&req.key).expect("a request's worker has a load entry");
+        // Only the queue's head moves its start on: a short prompt can finish in the
+        // chunks left over beside an older long one, which has started long before.
+        let head = load.queue.first().is_none_or(|q| q.0 == req.serial);
+        let seen = req.added.take().map(|t| {
+            let start = t.max(load.last_done);
+            if head {
+                load.last_done = load.last_done.max(timestamp);
+            }
+            (req.key.0, req.key.1, req.prefill, timestamp - start, req.decode)
+        });
         if req.prefill != 0 {
-            self.loads.get_mut(&req.key).expect("load entry").prefill -= req.prefill;
+            load.prefill -= req.prefill;
+            load.dequeue(req.serial);
             req.prefill = 0;
         }
         (true, seen)
@@ -730,7 +788,7 @@ impl ActiveCore {
             let isl = prompt.isl;
             self.expire_at(now);
             idx.expect.expire(now);
-            let d = decide(idx, self, &keys, prompt, block_size, &w, rates.as_ref(), r)?;
+            let d = decide(idx, self, &keys, prompt, block_size, &w, rates.as_ref(), r, now)?;
             if let (Some(rid), Some(c)) = (request_id, d.chosen) {
                 // The caller checked that the id is not active (the borrow of self keeps
                 // other threads out meanwhile), so the add applies.
