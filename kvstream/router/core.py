@@ -88,7 +88,7 @@ def decide(
         routed = core.route_hashes(
             index_core, slots, prompt.isl, prompt.sequence_hashes, block_size, cfg, rng.random(), now, rates
         )
-    chosen, ov, ld, cols, probs, seqs, isl, excluded, why_none = routed
+    chosen, ov, ld, cols, probs, queued, seqs, isl, excluded, why_none = routed
     if chosen is None:
         raise NoEligibleWorkerError(why_none)
     n = len(keys)
@@ -102,5 +102,6 @@ def decide(
     schedule = Schedule(
         cands, columns, tuple(np.frombuffer(probs, "<f8").tolist()),
         (None,) * n if excluded is None else tuple(excluded), chosen, cfg,
+        None if queued is None else np.frombuffer(queued, "<f8"),
     )
     return schedule, (PackedHashes(seqs) if seqs is not None else None), isl

@@ -49,7 +49,8 @@ the worker's queue (first come, first served) is partly done. It could start whe
 was routed or at the worker's previous first token, whichever is later, and has been
 computed at ``per_tok`` since; those behind it count whole, since they wait for its
 first token, which has not come (route.rs, ``Load::queued``; the load's
-``prefill_tokens``, which kv and the filters read, stays the whole prompts). At 1× the
+``prefill_tokens``, which kv and the filters read, stays the whole prompts; explanations
+show both, this as ``queued_prefill_tokens``). At 1× the
 conversation trace the whole prompts sent a prompt away from the worker holding 95 % of
 it, whose 4,298 queued tokens took 192 ms to drain, not the 897 ms they priced. Draining
 the whole queue as a fluid at ``per_tok`` instead (the requests behind the head too)

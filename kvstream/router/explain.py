@@ -19,6 +19,7 @@ def candidate_dict(c: CandidateScore) -> dict[str, Any]:
         "prefill_blocks": c.prefill_blocks,
         "prefill_cost": c.prefill_cost,
         "active_prefill_tokens": c.active_prefill_tokens,
+        "queued_prefill_tokens": c.queued_prefill_tokens,
         "active_decode_blocks": c.active_decode_blocks,
         "new_blocks": c.new_blocks,
         "decode_blocks": c.decode_blocks,

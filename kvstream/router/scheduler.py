@@ -184,6 +184,9 @@ class CandidateScore(NamedTuple):
     probability: float
     #: Why the candidate could not be chosen (not allowed, busy), else None.
     excluded: str | None
+    #: Under ttft, the prefill it counted as queued there (what is left of the queue:
+    #: kvstream.router.costs), in tokens; None under kv, which reads the whole queue.
+    queued_prefill_tokens: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,9 @@ class Schedule:
     chosen: int
     #: The configuration in force (global config with the request's overrides).
     config: SchedulerConfig
+    #: Under ttft, per candidate the prefill it counted as queued there, in tokens
+    #: (None under kv).
+    queued: np.ndarray | None = None
 
     @property
     def terms(self) -> tuple[LogitTerms, ...]:
@@ -260,6 +266,7 @@ class Schedule:
             t.logit,
             self.probabilities[i],
             self.excluded[i],
+            None if self.queued is None else float(self.queued[i]),
         )
 
     def scores(self) -> tuple[CandidateScore, ...]:

@@ -397,13 +397,10 @@ COSTS: dict[str, Cost] = {"kv": kv_cost, "ttft": ttft_cost}
 BUSY_CAP = 0.9
 
 
-def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
-    """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
-    first token, plus the weighted delay its uncached prefill puts on later requests."""
-    dev, host, disk, ext, exp = c.overlaps.T.astype(np.float64)
+def ttft_queue(cfg: SchedulerConfig, c: Candidates) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate, the time per prefilled token (seconds) and the prefill queued there
+    (tokens: what is left of it)."""
     has_load = c.loads.T[0]
-    uncached = np.maximum(isl - (dev + host + disk + ext + cfg.expected_cache_hit_weight * exp) * block_size, 0.0)
-    onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     rates = c.rates if c.rates is not None else np.full(len(c), cfg.ttft_prior_tokens_per_s)
     per_token = 1.0 / rates + np.where(has_load != 0, c.loads.T[2], 0) * c.decode_slowdown_s
     queues = c.queues or (None,) * len(c)
@@ -411,6 +408,17 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
         queued(q[0], q[1], c.now, float(pt)) if q is not None and h else 0.0
         for q, h, pt in zip(queues, has_load, per_token)
     ])
+    return per_token, ahead
+
+
+def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
+    """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
+    first token, plus the weighted delay its uncached prefill puts on later requests."""
+    dev, host, disk, ext, exp = c.overlaps.T.astype(np.float64)
+    has_load = c.loads.T[0]
+    uncached = np.maximum(isl - (dev + host + disk + ext + cfg.expected_cache_hit_weight * exp) * block_size, 0.0)
+    onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
+    per_token, ahead = ttft_queue(cfg, c)
     busy = min(float(np.count_nonzero(has_load)) / max(len(c), 1), BUSY_CAP)
     recompute = cfg.ttft_recompute_weight * busy / (1.0 - busy)
     running = np.where(has_load != 0, c.loads.T[3], 0)
@@ -465,7 +473,8 @@ class Scheduler:
         all_probs = [0.0] * n
         for i, p in zip(eligible, probs):
             all_probs[i] = p
-        return Schedule(candidates, columns, tuple(all_probs), excluded, chosen, cfg)
+        queued_ = ttft_queue(cfg, candidates)[1] if cfg.policy == "ttft" else None
+        return Schedule(candidates, columns, tuple(all_probs), excluded, chosen, cfg, queued_)
 
 
 def _why_none(

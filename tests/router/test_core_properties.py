@@ -124,6 +124,9 @@ def same_schedule(sa: Schedule, sb: Schedule) -> None:
         # Bit for bit: the same float64 (or int64) bytes.
         assert np.asarray(ca, np.float64).tobytes() == np.asarray(cb, np.float64).tobytes(), name
     assert sa.probabilities == sb.probabilities
+    assert (sa.queued is None) == (sb.queued is None)
+    if sa.queued is not None:
+        assert np.asarray(sa.queued, np.float64).tobytes() == np.asarray(sb.queued, np.float64).tobytes()
     assert sa.excluded == sb.excluded
     assert sa.chosen == sb.chosen
     assert sa.config == sb.config

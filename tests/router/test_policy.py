@@ -15,6 +15,7 @@ from kvstream.events.model import Cleared, Tier
 from kvstream.router.active import ActiveSequences as CoreActiveSequences
 from kvstream.router.active import AddRequest, PrefillDone
 from kvstream.router.errors import SchedulerConfigError
+from kvstream.router.explain import decision_dict
 from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.router.rates import PrefillRates
 from kvstream.router.router import Router, RouterConfig
@@ -273,9 +274,15 @@ def test_a_queue_counts_what_is_left_of_it() -> None:
     router.find_best_match(list(range(50_000, 70_000)), request_id="long", overrides=_only(1))
     assert router.find_best_match(prompt, query_only=True).worker == B
     now[0] += 0.98
-    assert router.find_best_match(prompt, query_only=True).worker == A
-    # The queue's length as the load reports it is unchanged: only ttft's estimate drains.
+    d = router.find_best_match(prompt, query_only=True)
+    assert d.worker == A
+    # The queue's length as the load reports it is unchanged: only ttft's estimate
+    # drains, and explanations show both; kv reads the whole queue and shows none.
     assert router.load(A).prefill_tokens == 20_000
+    a = next(c for c in decision_dict(d, explain=True)["candidates"] if c["worker_id"] == A.worker_id)
+    assert (a["active_prefill_tokens"], a["queued_prefill_tokens"]) == (20_000, pytest.approx(400))
+    kv = router.find_best_match(prompt, query_only=True, overrides=SchedulerOverrides(policy="kv"))
+    assert {c.queued_prefill_tokens for c in kv.candidates} == {None}
     # What waits behind the head has not started: the head's progress does not drain it.
     router.find_best_match(list(range(80_000, 90_000)), request_id="behind", overrides=_only(1))
     now[0] += 0.5  # the head overdue: 0 left of it, 10,000 behind

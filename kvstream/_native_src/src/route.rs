@@ -250,6 +250,22 @@ struct TtftCost<'a> {
     expected_weight: f64,
 }
 
+impl TtftCost<'_> {
+    /// Candidate `i`'s time per prefilled token, in seconds, and the prefill queued
+    /// there, in tokens (what is left of it: `Load::queued`).
+    fn queue(&self, x: &Inputs, i: usize) -> (f64, f64) {
+        let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
+        let has = row[0] != 0;
+        let decode = if has { row[2] } else { 0 };
+        let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
+        let ahead = match self.queues[i] {
+            Some(ld) if has => ld.queued(self.now, per_token),
+            _ => 0.0,
+        };
+        (per_token, ahead)
+    }
+}
+
 impl Cost for TtftCost<'_> {
     /// In the reference's order of operations (tests/router/reference_router.py,
     /// predicted_ttft, over numpy columns).
@@ -265,16 +281,10 @@ impl Cost for TtftCost<'_> {
                 let o = &x.overlaps[COLS * i..COLS * (i + 1)];
                 let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
                 let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
-                let has = row[0] != 0;
                 let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
-                let decode = if has { row[2] } else { 0 };
-                let running = if has { row[3] } else { 0 };
-                let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
-                let ahead = match self.queues[i] {
-                    Some(ld) if has => ld.queued(self.now, per_token),
-                    _ => 0.0,
-                };
+                let running = if row[0] != 0 { row[3] } else { 0 };
+                let (per_token, ahead) = self.queue(x, i);
                 let others = self.decode_delay_weight * running as f64 * (uncached + onboard);
                 (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token * 1000.0
             })
@@ -382,6 +392,8 @@ struct Decision {
     /// logit column is the policy's cost.
     columns: Vec<f64>,
     probs: Vec<f64>,
+    /// Under ttft, per candidate the prefill it counted as queued there, in tokens.
+    queued: Option<Vec<f64>>,
     seqs: Vec<u64>,
     /// Per candidate, why it is excluded (None: eligible); None when no filter is set.
     excluded: Option<Vec<Option<String>>>,
@@ -500,20 +512,22 @@ fn decide(
     let inputs = Inputs { isl, block_size: block_size as i64, overlaps: &overlaps, loads: &loads, n };
     // The policy is the cost whose inputs the caller passed (kvstream/router/costs.py:
     // kv reads nothing learned, ttft the learned rates).
-    let costs = match rates {
-        None => KvCost.costs(&inputs, &columns),
-        Some(rates) => TtftCost {
-            rates: &rates.per_candidate,
-            queues: keys.iter().map(|(_, k)| active.loads.get(k)).collect(),
-            now,
-            decode_slowdown: rates.decode_slowdown,
-            host_ratio: w.ttft_host_onboard_ratio,
-            disk_ratio: w.ttft_disk_onboard_ratio,
-            recompute_weight: w.ttft_recompute_weight,
-            decode_delay_weight: w.ttft_decode_delay_weight,
-            expected_weight: w.expected_cache_hit_weight,
+    let (costs, queued) = match rates {
+        None => (KvCost.costs(&inputs, &columns), None),
+        Some(rates) => {
+            let ttft = TtftCost {
+                rates: &rates.per_candidate,
+                queues: keys.iter().map(|(_, k)| active.loads.get(k)).collect(),
+                now,
+                decode_slowdown: rates.decode_slowdown,
+                host_ratio: w.ttft_host_onboard_ratio,
+                disk_ratio: w.ttft_disk_onboard_ratio,
+                recompute_weight: w.ttft_recompute_weight,
+                decode_delay_weight: w.ttft_decode_delay_weight,
+                expected_weight: w.expected_cache_hit_weight,
+            };
+            (ttft.costs(&inputs, &columns), Some((0..n).map(|i| ttft.queue(&inputs, i).1).collect()))
         }
-        .costs(&inputs, &columns),
     };
     columns[6 * n..].copy_from_slice(&costs);
     let excluded: Option<Vec<Option<String>>> =
@@ -539,7 +553,7 @@ fn decide(
             probs[i] = pi;
         }
     }
-    Ok(Decision { chosen, overlaps, loads, columns, probs, seqs, excluded, why_none, isl })
+    Ok(Decision { chosen, overlaps, loads, columns, probs, queued, seqs, excluded, why_none, isl })
 }
 
 /// Hashes given as a list of ints or as little-endian u64 bytes.
@@ -671,8 +685,9 @@ impl ActiveCore {
     ///
     /// Returns (chosen row or None when no candidate is eligible, overlaps (n×5 i64: the tiers, then the expected blocks),
     /// loads (n×5 i64), columns (7×n f64: the §5 terms, the last the policy's cost),
-    /// probabilities (n f64), all as little-endian bytes, the prompt's sequence hashes
-    /// (little-endian u64 bytes) when tracked, its token count, per candidate why it is
+    /// probabilities (n f64), all as little-endian bytes, under ttft the prefill it
+    /// counted as queued on each candidate (n f64 tokens, else None), the prompt's
+    /// sequence hashes (little-endian u64 bytes) when tracked, its token count, per candidate why it is
     /// excluded (None without filters), why none is eligible).
     /// The GIL is released while hashing, matching and scoring.
     #[pyo3(signature = (index, keys, tokens, block_size, seed, config, r, now, request_id=None, local=None, rates=None, max_tokens=usize::MAX))]
@@ -752,6 +767,7 @@ type Routed<'py> = (
     Bound<'py, PyBytes>,
     Bound<'py, PyBytes>,
     Option<Bound<'py, PyBytes>>,
+    Option<Bound<'py, PyBytes>>,
     usize,
     Option<Vec<Option<String>>>,
     Option<String>,
@@ -807,6 +823,7 @@ impl ActiveCore {
             le_bytes(py, &d.loads, i64::to_le_bytes),
             le_bytes(py, &d.columns, f64::to_le_bytes),
             le_bytes(py, &d.probs, f64::to_le_bytes),
+            d.queued.as_ref().map(|q| le_bytes(py, q, f64::to_le_bytes)),
             tracked,
             d.isl as usize,
             d.excluded,

@@ -243,7 +243,7 @@ def table(d: dict[str, Any]) -> list[str]:
         f"request {d['request_id'] or '-'}: isl {d['isl']} tokens, {d['blocks']} blocks → "
         f"worker {d['worker_id']} rank {d['dp_rank']} (logit {d['logit']:.3f})",
         f"  {'':1} {'worker':>20} {'rank':>4} {'dev':>4} {'host':>4} {'disk':>4} {'ext':>4} "
-        f"{'credit':>7} {'cached':>6} {'prefill':>8} {'p.cost':>7} {'act.pf':>6} {'act.dec':>7} "
+        f"{'credit':>7} {'cached':>6} {'prefill':>8} {'p.cost':>7} {'act.pf':>6} {'queued':>7} {'act.dec':>7} "
         f"{'new':>4} {'decode':>6} {'reqs':>4} {'r.cost':>6} {'logit':>8} {'prob':>5}  excluded",
     ]
     for c in d["candidates"]:
@@ -253,6 +253,7 @@ def table(d: dict[str, Any]) -> list[str]:
             f"  {win} {c['worker_id']:>20} {c['dp_rank']:>4} {o['device']:>4} {o['host_pinned']:>4} "
             f"{o['disk']:>4} {o['external']:>4} {c['credit']:>7.2f} {c['cached_tokens']:>6} "
             f"{c['prefill_blocks']:>8.2f} {c['prefill_cost']:>7.2f} {c['active_prefill_tokens']:>6} "
+            f"{'-' if c['queued_prefill_tokens'] is None else round(c['queued_prefill_tokens']):>7} "
             f"{c['active_decode_blocks']:>7} {c['new_blocks']:>4} {c['decode_blocks']:>6} "
             f"{c['active_requests']:>4} {c['request_cost']:>6.2f} {c['logit']:>8.3f} "
             f"{c['probability']:>5.2f}  {c['excluded'] or ''}"
