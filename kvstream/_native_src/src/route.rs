@@ -214,17 +214,18 @@ struct Inputs<'a> {
 }
 
 /// A routing policy: the cost of each candidate, lower wins (DESIGN.md §5;
-/// kvstream/router/costs.py documents both). `terms` are the §5 terms (logit_columns).
+/// kvstream/router/costs.py documents both), and the prefill it counted as queued on
+/// each when that is not the load's whole queue. `terms` are the §5 terms (logit_columns).
 trait Cost {
-    fn costs(&self, x: &Inputs, terms: &[f64]) -> Vec<f64>;
+    fn costs(&self, x: &Inputs, terms: &[f64]) -> (Vec<f64>, Option<Vec<f64>>);
 }
 
 /// `kv`: worker_logit itself.
 struct KvCost;
 
 impl Cost for KvCost {
-    fn costs(&self, x: &Inputs, terms: &[f64]) -> Vec<f64> {
-        terms[6 * x.n..].to_vec()
+    fn costs(&self, x: &Inputs, terms: &[f64]) -> (Vec<f64>, Option<Vec<f64>>) {
+        (terms[6 * x.n..].to_vec(), None)
     }
 }
 
@@ -236,8 +237,9 @@ const BUSY_CAP: f64 = 0.9;
 struct TtftCost<'a> {
     /// Tokens/s per candidate (the learner's, kvstream/router/rates.py).
     rates: &'a [f64],
-    /// Per candidate, its load entry (None: no request running).
-    queues: Vec<Option<&'a Load>>,
+    /// The candidates' queues, read at `now`.
+    active: &'a ActiveCore,
+    keys: &'a [(usize, Key)],
     now: f64,
     /// Seconds per prefilled token per active decode block.
     decode_slowdown: f64,
@@ -251,25 +253,27 @@ struct TtftCost<'a> {
 }
 
 impl TtftCost<'_> {
-    /// Candidate `i`'s time per prefilled token, in seconds, and the prefill queued
+    /// Per candidate, its time per prefilled token, in seconds, and the prefill queued
     /// there, in tokens (what is left of it: `Load::queued`).
-    fn queue(&self, x: &Inputs, i: usize) -> (f64, f64) {
-        let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
-        let has = row[0] != 0;
-        let decode = if has { row[2] } else { 0 };
-        let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
-        let ahead = match self.queues[i] {
-            Some(ld) if has => ld.queued(self.now, per_token),
-            _ => 0.0,
-        };
-        (per_token, ahead)
+    fn queues(&self, x: &Inputs) -> Vec<(f64, f64)> {
+        (0..x.n)
+            .map(|i| {
+                let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
+                let has = row[0] != 0;
+                let decode = if has { row[2] } else { 0 };
+                let per_token = 1.0 / self.rates[i] + decode as f64 * self.decode_slowdown;
+                let ahead = match self.active.loads.get(&self.keys[i].1) {
+                    Some(ld) if has => ld.queued(self.now, per_token),
+                    _ => 0.0,
+                };
+                (per_token, ahead)
+            })
+            .collect()
     }
-}
 
-impl Cost for TtftCost<'_> {
-    /// In the reference's order of operations (tests/router/reference_router.py,
-    /// predicted_ttft, over numpy columns).
-    fn costs(&self, x: &Inputs, _terms: &[f64]) -> Vec<f64> {
+    /// The costs, given the candidates' `queues`. In the reference's order of
+    /// operations (tests/router/reference_router.py, predicted_ttft, over numpy columns).
+    fn costs_of(&self, x: &Inputs, queues: &[(f64, f64)]) -> Vec<f64> {
         let (n, bs) = (x.n, x.block_size as f64);
         // The delay a unit of work adds to later arrivals grows as b/(1 - b) with the
         // share b of busy candidates (any request running), capped where it would explode.
@@ -284,11 +288,18 @@ impl Cost for TtftCost<'_> {
                 let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
                 let running = if row[0] != 0 { row[3] } else { 0 };
-                let (per_token, ahead) = self.queue(x, i);
+                let (per_token, ahead) = queues[i];
                 let others = self.decode_delay_weight * running as f64 * (uncached + onboard);
                 (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token * 1000.0
             })
             .collect()
+    }
+}
+
+impl Cost for TtftCost<'_> {
+    fn costs(&self, x: &Inputs, _terms: &[f64]) -> (Vec<f64>, Option<Vec<f64>>) {
+        let queues = self.queues(x);
+        (self.costs_of(x, &queues), Some(queues.iter().map(|q| q.1).collect()))
     }
 }
 
@@ -513,21 +524,20 @@ fn decide(
     // The policy is the cost whose inputs the caller passed (kvstream/router/costs.py:
     // kv reads nothing learned, ttft the learned rates).
     let (costs, queued) = match rates {
-        None => (KvCost.costs(&inputs, &columns), None),
-        Some(rates) => {
-            let ttft = TtftCost {
-                rates: &rates.per_candidate,
-                queues: keys.iter().map(|(_, k)| active.loads.get(k)).collect(),
-                now,
-                decode_slowdown: rates.decode_slowdown,
-                host_ratio: w.ttft_host_onboard_ratio,
-                disk_ratio: w.ttft_disk_onboard_ratio,
-                recompute_weight: w.ttft_recompute_weight,
-                decode_delay_weight: w.ttft_decode_delay_weight,
-                expected_weight: w.expected_cache_hit_weight,
-            };
-            (ttft.costs(&inputs, &columns), Some((0..n).map(|i| ttft.queue(&inputs, i).1).collect()))
+        None => KvCost.costs(&inputs, &columns),
+        Some(rates) => TtftCost {
+            rates: &rates.per_candidate,
+            active,
+            keys,
+            now,
+            decode_slowdown: rates.decode_slowdown,
+            host_ratio: w.ttft_host_onboard_ratio,
+            disk_ratio: w.ttft_disk_onboard_ratio,
+            recompute_weight: w.ttft_recompute_weight,
+            decode_delay_weight: w.ttft_decode_delay_weight,
+            expected_weight: w.expected_cache_hit_weight,
         }
+        .costs(&inputs, &columns),
     };
     columns[6 * n..].copy_from_slice(&costs);
     let excluded: Option<Vec<Option<String>>> =
