@@ -215,9 +215,9 @@ def test_peer_bootstrap_over_http(served, kafka_topics: Settings, tmp_path) -> N
 
 
 def test_policy_switch_and_per_request_override(served, kafka_topics: Settings, tmp_path) -> None:
-    """w1 decodes a long request, w2 prefills a shorter one: a short prompt goes to w2
-    under kv (§5 weighs w1's decode blocks) and to w1 under ttft (nothing queued there;
-    w2's prompt, at the ~4,000 tokens/s w1 was seen to compute, takes ~300 ms).
+    """w1 decodes a long request, w2 prefills two shorter ones: a short prompt goes to w2
+    under kv (§5 weighs w1's decode blocks) and to w1 under ttft (nothing queued there,
+    while w2's second prompt waits whole behind the first, however long the test takes).
     The replica's [router] policy sets the default; the body's `policy` overrides it."""
     from kvstream.replica.cli import router_config
     from kvstream.settings import load_settings
@@ -228,9 +228,9 @@ def test_policy_switch_and_per_request_override(served, kafka_topics: Settings, 
         assert r.status_code == 200 and r.json()["worker_id"] == 1, r.text
         time.sleep(1.0)  # the rate w1 learns: ~4,000 tokens/s
         assert client.post(f"/v1/requests/long1-{tag}/prefill_done").status_code == 200
-        long2 = {"token_ids": list(range(20_000, 21_200)), "request_id": f"long2-{tag}", "weights": {"allowed_workers": [2]}}
-        r = client.post("/v1/route", json=long2)
-        assert r.status_code == 200 and r.json()["worker_id"] == 2, r.text
+        for name, tokens in ((f"short2-{tag}", range(40_000, 40_032)), (f"long2-{tag}", range(20_000, 21_200))):
+            r = client.post("/v1/route", json={"token_ids": list(tokens), "request_id": name, "weights": {"allowed_workers": [2]}})
+            assert r.status_code == 200 and r.json()["worker_id"] == 2, r.text
 
     def choice(client: TestClient, policy: str | None) -> tuple[int, str]:
         body: dict = {"token_ids": list(range(30_000, 30_032)), "query_only": True}
