@@ -7,6 +7,10 @@ routed the request (a load-balanced client) is applied on the owner's behalf and
 published with the sender marked. At start, load is rebuilt from the topic's last
 request TTL (kvstream.replica.active_codec.load_window_start_ms). Two running instances under one ``replica_id`` would stop
 sharing load without a word: the one that started later gives up.
+
+The replicas whose ops came within the last minute are the ones routing now: each keeps
+its own part of a tie between candidates (kvstream.router.Router.split_ties), so that
+requests reaching several replicas at once do not all go to one idle worker.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ log = get_logger(__name__)
 INSTANCE_HEADER = "kvstream-instance"
 #: On an active op that a replica published for the peer that owns the request.
 SENDER_HEADER = "kvstream-sender"
+#: A replica with no load op for this long (seconds, by its ops' clock) is not routing.
+ROUTING_WINDOW_S = 60.0
 
 
 class LoadSharing:
@@ -73,6 +79,10 @@ class LoadSharing:
         self._instance_tag = f"{self._instance[0]}:{self._instance[1]}".encode()
         #: Client id → the peer replicas with an active request of that id.
         self._peer_owners: dict[str, set[str]] = {}
+        #: Peer replica id → the time of its latest load op: the replicas routing now.
+        self._routing: dict[str, float] = {}
+        self._split = (0, 1)
+        metrics.routing_replicas.set(1)
 
     def run(self) -> None:
         consumer = Consumer(consumer_config(self._settings, **{"auto.offset.reset": "latest"}))
@@ -86,6 +96,7 @@ class LoadSharing:
             consumer.assign([
                 tp if tp.offset >= 0 else TopicPartition(self._topic, tp.partition, OFFSET_END) for tp in tps
             ])
+            checked = time.monotonic()
             while not self._stop.is_set():
                 # Wait for one op, then take what is already there: consume(n, t) waits for
                 # n ops or t, and a peer's op 100 ms late routes on a load 100 ms old.
@@ -96,6 +107,9 @@ class LoadSharing:
                     if m.error() is not None:
                         continue
                     self._apply_peer_op(m.value(), m.headers(), m.timestamp()[1])
+                if time.monotonic() - checked >= 1.0:
+                    checked = time.monotonic()
+                    self._resplit()
         finally:
             consumer.close()
 
@@ -115,6 +129,10 @@ class LoadSharing:
         if sender == self.replica_id:
             self._own_id_op(headers, timestamp_ms)  # ours (applied when made), or a clash
             return
+        seen = self._routing.get(sender)
+        self._routing[sender] = op.timestamp if seen is None else max(seen, op.timestamp)
+        if seen is None:
+            self._resplit()
         with self._lock:
             try:
                 self._router.apply_active(op)
@@ -125,6 +143,20 @@ class LoadSharing:
                 return
             if owner != self.replica_id:
                 self._note_peer_request(owner, op)
+
+    def _resplit(self) -> None:
+        """This replica's part of a tie among the replicas routing now (itself and the
+        peers whose last op is within ROUTING_WINDOW_S), in replica id order."""
+        since = time.time() - ROUTING_WINDOW_S
+        self._routing = {r: t for r, t in self._routing.items() if t >= since}
+        names = sorted({self.replica_id, *self._routing})
+        split = (names.index(self.replica_id), len(names))
+        if split != self._split:
+            with self._lock:
+                self._router.split_ties(*split)
+            self._split = split
+            self._metrics.routing_replicas.set(len(names))
+            log.info("replicas routing", replicas=names, part=split[0])
 
     def _own_id_op(self, headers: list | None, timestamp_ms: int) -> None:
         """A load op under this replica's id: ours, an earlier incarnation's (before this

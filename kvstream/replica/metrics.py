@@ -66,6 +66,11 @@ class ReplicaMetrics:
             registry=r,
         )
         self.active_ops = Counter("kvstream_active_ops", "Active-sequence ops applied", ["source"], registry=r)
+        self.routing_replicas = Gauge(
+            "kvstream_routing_replicas",
+            "Replicas seen routing in the last minute, this one included: each keeps its own part of a tie "
+            "between candidates", registry=r,
+        )
         self.active_op_lag = Histogram(
             "kvstream_active_op_lag_seconds",
             "From a peer's op (its route, first token or end) to this replica applying it: how late it sees "

@@ -60,10 +60,12 @@ def decide(
     now: float,
     candidates: Sequence[WorkerKey] | None = None,
     max_tokens: int | None = None,
+    split: tuple[int, int] = (0, 1),
 ) -> tuple[Schedule, PackedHashes | None, int]:
     """One decision in the core: (schedule, the prompt's sequence hashes when the
     request was added as ``request_id``, prompt length in tokens). ``candidates`` as
-    in Router.find_best_match (None: every worker the index knows).
+    in Router.find_best_match (None: every worker the index knows); ``split``: this
+    router's part of a tie (Router.split_ties).
 
     Raises NoEligibleWorkerError (saying why), DuplicateRequestError, ValueError (bad
     token ids or a binary body that is not whole u32s).
@@ -82,11 +84,11 @@ def decide(
     if prompt.sequence_hashes is None:
         routed = core.route(
             index_core, slots, prompt.tokens, block_size, prompt.seed, cfg, rng.random(), now, request_id,
-            prompt.local, rates, max_tokens if max_tokens is not None else 2**63,
+            prompt.local, rates, max_tokens if max_tokens is not None else 2**63, split,
         )
     else:
         routed = core.route_hashes(
-            index_core, slots, prompt.isl, prompt.sequence_hashes, block_size, cfg, rng.random(), now, rates
+            index_core, slots, prompt.isl, prompt.sequence_hashes, block_size, cfg, rng.random(), now, rates, split
         )
     chosen, ov, ld, cols, probs, queued, seqs, isl, excluded, why_none = routed
     if chosen is None:

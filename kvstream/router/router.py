@@ -129,6 +129,8 @@ class Router:
         self._active = ActiveSequences(self.config.request_ttl_s, clock)
         #: The uniform draws of decisions (tie-breaks, sampling): seedable.
         self._rng = rng or random.Random()
+        #: This router's part of a tie, of the routers deciding at once (split_ties).
+        self._split = (0, 1)
         #: Why the last workers that were removed left (worker id → what happened), so
         #: that a router with none left says what became of them.
         self._departed: dict[int, str] = {}
@@ -265,6 +267,16 @@ class Router:
         rates = self._active.rates
         return LearnedRates({k: rates.rate(k) for k in rates.keys()}, rates.fleet_rate(), rates.decode_slowdown())
 
+    def split_ties(self, part: int, parts: int) -> None:
+        """Break ties among the candidates in this router's part: the candidates in key
+        order cut into ``parts`` runs, run ``part`` preferred (every tie when none of
+        it is tied). Replicas that route at once (``parts`` of them, this one ``part``)
+        thus send simultaneous requests to different idle workers, where each would pick
+        the same one before the others' load ops reach it. ``(0, 1)``: uniform."""
+        if not 0 <= part < parts:
+            raise ValueError(f"split part {part} of {parts}: needs 0 <= part < parts")
+        self._split = (part, parts)
+
     def reseed(self, seed: int) -> None:
         """Restart the stream of uniform draws (tie-breaks, sampling) from ``seed``."""
         self._rng.seed(seed)
@@ -343,7 +355,7 @@ class Router:
         # names the id it was asked with.
         schedule, seqs, isl = decide(
             self._index, self._active, self._rng, self.config.scheduler.with_overrides(overrides),
-            self.config.block_size, prompt, tracked_id, now, candidates, max_tokens,
+            self.config.block_size, prompt, tracked_id, now, candidates, max_tokens, self._split,
         )
         winner = schedule.candidates.workers[schedule.chosen]
         op = None

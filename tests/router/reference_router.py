@@ -358,6 +358,20 @@ def probabilities(logits: Sequence[float], temperature: float) -> list[float]:
     return [w / total for w in weights]
 
 
+def split_ties(probs: list[float], keys: Sequence[WorkerKey], eligible: Sequence[int], part: int, parts: int) -> list[float]:
+    """A tie kept to this router's part of the candidates (Router.split_ties): those
+    whose place in key order falls in run ``part`` of ``parts`` equal runs, when some but
+    not all of the tied ones do."""
+    tied = [e for e, p in enumerate(probs) if p > 0]
+    if parts < 2 or len(tied) < 2:
+        return probs
+    rank = {k: pos for pos, k in enumerate(sorted(keys))}
+    mine = [e for e in tied if rank[keys[eligible[e]]] * parts // len(keys) == part]
+    if not mine or len(mine) == len(tied):
+        return probs
+    return [1.0 / len(mine) if e in mine else 0.0 for e in range(len(probs))]
+
+
 def _draw(probs: Sequence[float], rng: random.Random) -> int:
     r = rng.random()
     acc = 0.0
@@ -432,6 +446,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, rng: random.Random | None = None):
         self.config = config or SchedulerConfig()
         self.rng = rng or random.Random()
+        self.split = (0, 1)
 
     def schedule(
         self,
@@ -469,6 +484,8 @@ class Scheduler:
             eligible = range(n)
             logits = columns.logit.tolist()
         probs = probabilities(logits, cfg.router_temperature)
+        if cfg.router_temperature == 0 or min(logits) == max(logits):
+            probs = split_ties(probs, candidates.workers, eligible, *self.split)
         chosen = eligible[_draw(probs, self.rng)]
         all_probs = [0.0] * n
         for i, p in zip(eligible, probs):
@@ -514,6 +531,11 @@ class ReferenceRouter:
         self.index = TieredIndex(self.config.expected_ttl_s, self.config.expected_blocks)
         self.active = ActiveSequences(self.config.request_ttl_s, clock)
         self.scheduler = Scheduler(self.config.scheduler, rng)
+
+    def split_ties(self, part: int, parts: int) -> None:
+        if not 0 <= part < parts:
+            raise ValueError(f"split part {part} of {parts}: needs 0 <= part < parts")
+        self.scheduler.split = (part, parts)
 
     def apply_event(self, event: RouterEvent) -> str | None:
         return self.index.apply(event)

@@ -142,6 +142,11 @@ def test_core_decides_as_the_reference(seed: int) -> None:
     rc = RouterConfig(block_size=BS, scheduler=cfg, request_ttl_s=50.0, expected_ttl_s=30.0, expected_blocks=rng.choice([4, 64]))
     ref = ReferenceRouter(rc, clock=clock, rng=random.Random(seed))
     core = Router(rc, clock=clock, rng=random.Random(seed))
+    # One of several replicas deciding at once: a tie kept to its part of the candidates.
+    parts = rng.choice([1, 2, 3, 4, 8])
+    part = rng.randrange(parts)
+    ref.split_ties(part, parts)
+    core.split_ties(part, parts)
     for ev in fleet_events(rng, convs):
         assert ref.apply_event(ev) == core.apply_event(ev)  # type: ignore[arg-type]
     active: list[str] = []

@@ -192,3 +192,31 @@ def test_candidates_limit_the_choice_and_admit_unindexed_workers(router: type, p
     assert r.workers() == [WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(2, 1)]
     with pytest.raises(NoEligibleWorkerError, match="no candidate"):
         r.find_best_match(PROMPT, candidates=[])
+
+
+@pytest.mark.parametrize("router", [Router, ReferenceRouter], ids=["core", "reference"])
+@pytest.mark.parametrize("policy", ["kv", "ttft"])
+def test_replicas_routing_at_once_split_a_tie(router: type, policy: str) -> None:
+    """Four replicas with the same view of eight idle workers: each breaks the tie within
+    its own quarter of them in worker order (where uniform draws would send a burst to
+    one worker), its own routes moving it along; a quarter with nothing tied leaves it
+    every tie. Not a tie: the best wins whatever the part."""
+    picks = {}
+    for part in range(4):
+        r = router(RouterConfig(scheduler=SchedulerConfig(policy=policy)), clock=Clock(), rng=random.Random(part))
+        r.split_ties(part, 4)
+        for w in (8, 3, 5, 1, 7, 2, 6, 4):  # known in another order than their ids
+            r.apply_event(Cleared(w, 0, Tier.DEVICE, 0, 0))
+        fresh = ([t + 7000 * (i + 1) for t in PROMPT] for i in range(3))  # cached nowhere
+        picks[part] = [r.find_best_match(p, request_id=f"q{i}").worker.worker_id for i, p in enumerate(fresh)]
+    for part, got in picks.items():
+        assert sorted(got[:2]) == [2 * part + 1, 2 * part + 2], got
+        assert got[2] not in got[:2]  # its quarter busy: any other tie
+    r = router(RouterConfig(scheduler=SchedulerConfig(policy=policy)), clock=Clock(), rng=random.Random(0))
+    r.split_ties(3, 4)
+    for w in range(1, 9):
+        r.apply_event(Cleared(w, 0, Tier.DEVICE, 0, 0))
+    r.apply_event(store(2, Tier.DEVICE, 8))
+    assert r.find_best_match(PROMPT).worker == WorkerKey(2, 0)
+    with pytest.raises(ValueError, match="part 4 of 4"):
+        r.split_ties(4, 4)

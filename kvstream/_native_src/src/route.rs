@@ -458,6 +458,43 @@ fn probabilities(logits: &[f64], t: f64) -> Vec<f64> {
     weights.iter().map(|&x| x / total).collect()
 }
 
+/// This replica's part of the candidates when several route at once: `part` of `parts`
+/// (kvstream.router.router.Router.split_ties).
+#[derive(Clone, Copy)]
+pub(crate) struct Split {
+    part: usize,
+    parts: usize,
+}
+
+impl Split {
+    /// Keep, of the tied candidates, those in this replica's part: the candidates in key
+    /// order cut into `parts` runs, the `part`-th run (or every tie when none is in it).
+    /// Replicas with the same view break a tie the same way at random; at once, before
+    /// each other's load ops arrive, they would pick one idle worker for many requests
+    /// (at 4 replicas a third of the conversation trace's requests did).
+    fn ties(self, p: &mut [f64], eligible: &[usize], keys: &[(usize, Key)]) {
+        let tied = p.iter().filter(|&&x| x > 0.0).count();
+        if self.parts < 2 || tied < 2 {
+            return;
+        }
+        let n = keys.len();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_unstable_by_key(|&i| keys[i].1);
+        let mut rank = vec![0; n];
+        for (pos, &i) in order.iter().enumerate() {
+            rank[i] = pos;
+        }
+        let mine = |e: usize| rank[eligible[e]] * self.parts / n == self.part;
+        let kept = (0..p.len()).filter(|&e| p[e] > 0.0 && mine(e)).count();
+        if kept == 0 || kept == tied {
+            return;
+        }
+        for (e, x) in p.iter_mut().enumerate() {
+            *x = if *x > 0.0 && mine(e) { 1.0 / kept as f64 } else { 0.0 };
+        }
+    }
+}
+
 /// The index drawn by the uniform `r` (the reference's _draw).
 fn draw(probs: &[f64], r: f64) -> usize {
     let (mut acc, mut last) = (0.0, 0);
@@ -495,6 +532,7 @@ fn decide(
     w: &Weights,
     rates: Option<&Rates>,
     r: f64,
+    split: Split,
     now: f64,
 ) -> PyResult<Decision> {
     let Prompt { isl, mut seqs } = prompt;
@@ -557,7 +595,10 @@ fn decide(
     } else {
         let logit = &columns[6 * n..];
         let lg: Vec<f64> = eligible.iter().map(|&i| logit[i]).collect();
-        let p = probabilities(&lg, w.router_temperature);
+        let mut p = probabilities(&lg, w.router_temperature);
+        if w.router_temperature == 0.0 || lg.iter().all(|&x| x == lg[0]) {
+            split.ties(&mut p, &eligible, keys);
+        }
         chosen = Some(eligible[draw(&p, r)]);
         for (&i, &pi) in eligible.iter().zip(&p) {
             probs[i] = pi;
@@ -690,7 +731,7 @@ impl ActiveCore {
     /// local hashes when the caller computed them (multimodal or extra-token blocks,
     /// kvstream.hashing.local_hashes), else the core hashes the tokens; `rates`: the
     /// learned tokens/s per candidate and the decode slowdown (the ttft policy's
-    /// inputs, and so the policy: without them the cost is kv); `r`: the uniform draw in [0, 1). Expires old requests at `now` first;
+    /// inputs, and so the policy: without them the cost is kv); `r`: the uniform draw in [0, 1); `split`: (part, parts), this replica's part of the candidates for a tie (`Split`). Expires old requests at `now` first;
     /// with `request_id`, adds the request to the chosen worker.
     ///
     /// Returns (chosen row or None when no candidate is eligible, overlaps (n×5 i64: the tiers, then the expected blocks),
@@ -700,7 +741,7 @@ impl ActiveCore {
     /// sequence hashes (little-endian u64 bytes) when tracked, its token count, per candidate why it is
     /// excluded (None without filters), why none is eligible).
     /// The GIL is released while hashing, matching and scoring.
-    #[pyo3(signature = (index, keys, tokens, block_size, seed, config, r, now, request_id=None, local=None, rates=None, max_tokens=usize::MAX))]
+    #[pyo3(signature = (index, keys, tokens, block_size, seed, config, r, now, request_id=None, local=None, rates=None, max_tokens=usize::MAX, split=(0, 1)))]
     #[allow(clippy::too_many_arguments)]
     fn route<'py>(
         &mut self,
@@ -717,6 +758,7 @@ impl ActiveCore {
         local: Option<&Bound<'py, PyAny>>,
         rates: Option<(Vec<f64>, f64)>,
         max_tokens: usize,
+        split: (usize, usize),
     ) -> PyResult<Routed<'py>> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
@@ -741,12 +783,12 @@ impl ActiveCore {
             let local = local.unwrap_or_else(|| local_hashes_of(&toks, block_size, seed));
             Prompt { isl, seqs: sequence_of(&local, None) }
         };
-        self.route_prompt(py, index, keys, hash, block_size, config, rates, r, now, request_id)
+        self.route_prompt(py, index, keys, hash, block_size, config, rates, (r, split_of(split)?), now, request_id)
     }
 
     /// The decision for a prompt given by its length and its blocks' sequence hashes
     /// (a logged request: the log keeps no token ids), query-only; otherwise as `route`.
-    #[pyo3(signature = (index, keys, isl, sequence_hashes, block_size, config, r, now, rates=None))]
+    #[pyo3(signature = (index, keys, isl, sequence_hashes, block_size, config, r, now, rates=None, split=(0, 1)))]
     #[allow(clippy::too_many_arguments)]
     fn route_hashes<'py>(
         &mut self,
@@ -760,13 +802,22 @@ impl ActiveCore {
         r: f64,
         now: f64,
         rates: Option<(Vec<f64>, f64)>,
+        split: (usize, usize),
     ) -> PyResult<Routed<'py>> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
         }
         let seqs = hashes_from(sequence_hashes)?;
-        self.route_prompt(py, index, keys, move || Prompt { isl, seqs }, block_size, config, rates, r, now, None)
+        self.route_prompt(py, index, keys, move || Prompt { isl, seqs }, block_size, config, rates, (r, split_of(split)?), now, None)
     }
+}
+
+/// `split` (part, parts) checked: part < parts.
+fn split_of((part, parts): (usize, usize)) -> PyResult<Split> {
+    if part >= parts {
+        return Err(PyValueError::new_err(format!("split part {part} of {parts}: needs part < parts")));
+    }
+    Ok(Split { part, parts })
 }
 
 /// What `route` returns (see there).
@@ -794,7 +845,7 @@ impl ActiveCore {
         block_size: usize,
         w: Weights,
         rates: Option<(Vec<f64>, f64)>,
-        r: f64,
+        (r, split): (f64, Split),
         now: f64,
         request_id: Option<String>,
     ) -> PyResult<Routed<'py>> {
@@ -814,7 +865,7 @@ impl ActiveCore {
             let isl = prompt.isl;
             self.expire_at(now);
             idx.expect.expire(now);
-            let d = decide(idx, self, &keys, prompt, block_size, &w, rates.as_ref(), r, now)?;
+            let d = decide(idx, self, &keys, prompt, block_size, &w, rates.as_ref(), r, split, now)?;
             if let (Some(rid), Some(c)) = (request_id, d.chosen) {
                 // The caller checked that the id is not active (the borrow of self keeps
                 // other threads out meanwhile), so the add applies.
