@@ -477,14 +477,19 @@ impl Split {
         if self.parts < 2 || tied < 2 {
             return;
         }
+        // Rank r is in run floor(r·parts/n): the run's keys lie from the key of rank
+        // ceil(part·n/parts) up to that of the next run's first rank (two selections,
+        // no sort: a decision over a large fleet stays linear).
         let n = keys.len();
-        let mut order: Vec<usize> = (0..n).collect();
-        order.sort_unstable_by_key(|&i| keys[i].1);
-        let mut rank = vec![0; n];
-        for (pos, &i) in order.iter().enumerate() {
-            rank[i] = pos;
-        }
-        let mine = |e: usize| rank[eligible[e]] * self.parts / n == self.part;
+        let first = |run: usize| (run * n).div_ceil(self.parts);
+        let mut ks: Vec<Key> = keys.iter().map(|k| k.1).collect();
+        let mut key_of = |rank: usize| (rank < n).then(|| *ks.select_nth_unstable(rank).1);
+        let Some(lo) = key_of(first(self.part)) else { return };
+        let hi = key_of(first(self.part + 1));
+        let mine = |e: usize| {
+            let k = keys[eligible[e]].1;
+            k >= lo && hi.is_none_or(|h| k < h)
+        };
         let kept = (0..p.len()).filter(|&e| p[e] > 0.0 && mine(e)).count();
         if kept == 0 || kept == tied {
             return;
