@@ -53,6 +53,8 @@ log = get_logger(__name__)
 #: Routing decisions (and load ops) computed at once in threads, while the replica's
 #: lock is held by its fold.
 ROUTE_THREADS = 4
+#: How often a request waiting for the replica to be ready (``ready_wait_s``) looks (s).
+READY_POLL_S = 0.01
 
 
 class Gateway:
@@ -84,6 +86,8 @@ class Gateway:
         #: Each model's disaggregated plan (None: whole requests) or why it has none, kept as
         #: long as its workers.
         self._plans: dict[str, disagg.Plan | ApiError | None] = {}
+        #: Done when the replica is ready; one for every request waiting for it.
+        self._readiness: asyncio.Task[None] | None = None
 
     # -- running -------------------------------------------------------------------------
 
@@ -101,6 +105,8 @@ class Gateway:
         finally:
             if probes is not None:
                 probes.cancel()
+            if self._readiness is not None:
+                self._readiness.cancel()
             self._upstream.close()
             self._upstream = None
 
@@ -190,8 +196,9 @@ class Gateway:
                 raise unknown_model(req.model)
             known = req.model
             plan = self._plan(req.model, endpoints) if endpoint is not Endpoint.EMBEDDINGS else None
-            if not self.replica.ready:
-                raise unavailable("the replica is not ready (catching up with the log)", self.options.retry_after_s)
+            if not self.replica.ready and not await self._ready_within(self.options.ready_wait_s):
+                raise unavailable(f"the replica is not ready (catching up with the log; waited "
+                                  f"{self.options.ready_wait_s:g}s)", self.options.retry_after_s)
             up = self.choosable(endpoints, (), req.model)
             if endpoint is Endpoint.EMBEDDINGS:
                 ids: PromptTokens = []
@@ -213,6 +220,26 @@ class Gateway:
             raise
         lora = req.model if any(req.model in ep.loras for ep in endpoints) else None
         return Exchange(self, req, raw, scope["headers"], request_id, ids, lora, endpoints, started, plan)
+
+    async def _ready_within(self, timeout: float) -> bool:
+        """Whether the replica is ready within ``timeout`` s: one task looks for every
+        request waiting (a burst at a restart does not each poll)."""
+        if timeout <= 0:
+            return False
+        if self._readiness is None:
+            self._readiness = asyncio.get_running_loop().create_task(self._until_ready())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._readiness), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _until_ready(self) -> None:
+        try:
+            while not self.replica.ready:
+                await asyncio.sleep(READY_POLL_S)
+        finally:
+            self._readiness = None
 
     def _serving(self, model: str) -> Sequence[WorkerEndpoint]:
         """The directory's workers serving ``model``, kept while the directory gives the

@@ -121,6 +121,10 @@ class GatewayOptions:
     #: with at most ``max_queued`` waiting.
     queue_timeout_s: float = 0.0
     max_queued: int = 1024
+    #: A request that comes while the replica is not ready (starting from its snapshot,
+    #: catching up with the log) waits this long for it before a 503 (0: at once): a
+    #: restarted replica's first second is then a little latency, not failed requests.
+    ready_wait_s: float = 5.0
     #: The ``Retry-After`` of a 429 or 503 (s).
     retry_after_s: int = 1
     #: A worker's breaker opens after this many failures in a row, and lets one trial

@@ -12,7 +12,9 @@ import openai
 import orjson
 import pytest
 
+from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.replica import Replica
+from kvstream.settings import Settings
 from tests.gateway.backends import Backend, closed_port, running
 from tests.gateway.fleet import (
     LORA,
@@ -293,6 +295,35 @@ def test_no_worker_up_is_503(replica: Replica) -> None:
         r = httpx.post(f"{s.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2]}, headers=AUTH)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "no_worker_available"
+
+
+def test_a_request_waits_for_a_replica_that_is_not_ready_yet(kafka_topics: Settings) -> None:
+    # A restarted replica serves HTTP before it has caught up with the log: a request
+    # that comes then is answered once it is ready instead of refused; one still waiting
+    # after ready_wait_s is a 503 that says why.
+    late = Replica(kafka_topics, ReplicaOptions(tick_interval_s=3600.0))
+    never = Replica(kafka_topics, ReplicaOptions(tick_interval_s=3600.0))
+    try:
+        with running(Backend("a", chunks=2)) as (a,), serving(never, [a], ready_wait_s=0.3) as refusing, \
+                serving(late, [a], ready_wait_s=60.0) as waiting:
+            t0 = time.monotonic()
+            r = httpx.post(f"{refusing.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2]}, headers=AUTH)
+            assert r.status_code == 503 and time.monotonic() - t0 >= 0.3
+            assert "not ready" in r.json()["error"]["message"] and "waited 0.3s" in r.json()["error"]["message"]
+            answers: list[httpx.Response] = []
+            sent = threading.Thread(target=lambda: answers.append(httpx.post(
+                f"{waiting.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2]}, headers=AUTH, timeout=60)))
+            sent.start()
+            time.sleep(0.5)
+            assert sent.is_alive() and not a.requests("/v1/completions"), "answered before the replica was ready"
+            late.start()
+            sent.join(60)
+            assert answers[0].status_code == 200, answers[0].text
+            assert answers[0].json()["choices"][0]["text"] == "t0 t1 "
+            wait_until(lambda: load_of(late, waiting.ids[0]) == 0, "the waiting request's load was not freed")
+    finally:
+        late.stop()
+        never.stop()
 
 
 @pytest.mark.parametrize("limit", [{"max_inflight": 1}, {"max_inflight_per_worker": 1}])
