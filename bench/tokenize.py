@@ -4,9 +4,15 @@
 The scenario is a conversation's next request: its history (system prompt and earlier
 turns, already seen once) plus one new user message, a different one each time. Fresh:
 render the chat template and tokenize the whole text, as every request costs without a
-cache. Cached: the same with kvstream.gateway.tokenize's prefix cache warm from the
-request before. Both give the same ids (checked); ``render_ms`` is the template's part,
+cache (``fresh_ids``: no cut at all). Cached: the same with kvstream.gateway.tokenize's
+prefix cache warm from the request before. Both give the same ids (checked); ``render_ms`` is the template's part,
 which no tokenization cache removes.
+
+The second scenario is a long document asked many questions, as a completion prompt with
+no added token in it (a RAG context, a file to review): the document plus a new question
+each time. Fresh: tokenize it whole. Cached: the same document seen before, through the
+prefix cache's cuts between words. First sight: a new document each time through the
+cached tokenizer (nothing to reuse; its chunks are tokenized at once).
 
 The tokenizer defaults to the DeepSeek ``tokenizer.json`` from ``litellm``'s wheel
 (kvstream.tools.tokenizer_file), with a built-in chat template on its added tokens; ``--tokenizer DIR`` runs a model's own.
@@ -34,6 +40,17 @@ BENCH_TEMPLATE = (
     "{% else %}<｜Assistant｜>{{ m.content }}{{ eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
+
+
+def _document(rng: random.Random, tokenizer, target_tokens: int) -> str:
+    """Prose of about ``target_tokens``: words, punctuation, numbers and paragraphs."""
+    words = ["the", "routing", "of", "cache", "blocks", "is", "kept", "by", "each", "replica", "and", "engine",
+             "prefix", "tokens", "in", "a", "long", "document", "that", "users", "ask", "about", "again"]
+    ends = ["", "", "", "", ",", ".", ".\n\n", " 42", " (2026)", ";"]
+    out: list[str] = []
+    while len(tokenizer.fresh_ids(" ".join(out))) < target_tokens:
+        out += [rng.choice(words) + rng.choice(ends) for _ in range(500)]
+    return " ".join(out)
 
 
 def _conversation(rng: random.Random, tokenizer, target_tokens: int) -> list[dict]:
@@ -90,13 +107,15 @@ def tokenize_bench(sizes: tuple[int, ...], tokenizer_path: Path | None, repeat: 
         def body(i: int) -> dict:
             return {"messages": history + [{"role": "user", "content": f"question {i}: what next?"}]}
 
-        n_tokens = len(fresh.chat_ids(body(-1)))
-        if cached.chat_ids(body(-1)) != fresh.chat_ids(body(-1)):
+        whole = fresh.fresh_ids(fresh.renderer.render(body(-1)))
+        n_tokens = len(whole)
+        if cached.chat_ids(body(-1)) != whole:
             raise click.ClickException("the cached path gave other ids than the fresh one")
         samples: dict[str, list[int]] = {"fresh": [], "cached": [], "render": []}
         for i in range(repeat):
             b = body(i)
-            for name, fn in (("render", lambda: fresh.renderer.render(b)), ("fresh", lambda: fresh.chat_ids(b)),
+            for name, fn in (("render", lambda: fresh.renderer.render(b)),
+                             ("fresh", lambda: fresh.fresh_ids(fresh.renderer.render(b))),
                              ("cached", lambda: cached.chat_ids(b))):
                 t0 = time.perf_counter_ns()
                 fn()
@@ -112,7 +131,39 @@ def tokenize_bench(sizes: tuple[int, ...], tokenizer_path: Path | None, repeat: 
             f"speedup_{k}": round(fresh_ms / cached_ms, 2),
             f"fresh_tokens_per_s_{k}": round(n_tokens / fresh_ms * 1000),
         })
+        _document_case(rng, fresh, cached, size, repeat, k, result)
     stats = cached.cache.stats if cached.cache is not None else None
     if stats is not None:
         result.update(cache_segments=len(cached.cache), cache_bytes=cached.cache.bytes, cache_fallbacks=stats.fallbacks)
     emit(result, as_json)
+
+
+def _document_case(rng: random.Random, fresh, cached, size: int, repeat: int, k: str, result: dict) -> None:
+    """A long document asked many questions (module docstring): ``doc_*`` figures."""
+    doc = _document(rng, fresh, size)
+    others = [_document(rng, fresh, size) for _ in range(repeat)]
+
+    def prompt(d: str, i: int) -> str:
+        return f"{d} Question {i}: what does it say about the cache?"
+
+    if cached.text_ids(prompt(doc, -1)) != fresh.fresh_ids(prompt(doc, -1)):
+        raise click.ClickException("the cached path gave other ids than the fresh one (document)")
+    samples: dict[str, list[int]] = {"fresh": [], "cached": [], "first": []}
+    for i in range(repeat):
+        for name, fn in (("fresh", lambda: fresh.fresh_ids(prompt(doc, i))),
+                         ("cached", lambda: cached.text_ids(prompt(doc, i))),
+                         ("first", lambda: cached.text_ids(prompt(others[i], i)))):
+            t0 = time.perf_counter_ns()
+            fn()
+            samples[name].append(time.perf_counter_ns() - t0)
+    if cached.text_ids(prompt(others[0], 0)) != fresh.fresh_ids(prompt(others[0], 0)):
+        raise click.ClickException("the cached path gave other ids than the fresh one (document, first sight)")
+    fresh_ms, cached_ms, first_ms = (percentiles_us(samples[n], 50)[0] / 1000 for n in ("fresh", "cached", "first"))
+    result.update({
+        f"doc_tokens_{k}": len(fresh.fresh_ids(prompt(doc, 0))),
+        f"doc_fresh_ms_{k}": round(fresh_ms, 3),
+        f"doc_cached_ms_{k}": round(cached_ms, 3),
+        f"doc_first_sight_ms_{k}": round(first_ms, 3),
+        f"doc_speedup_{k}": round(fresh_ms / cached_ms, 2),
+        f"doc_first_sight_speedup_{k}": round(fresh_ms / first_ms, 2),
+    })

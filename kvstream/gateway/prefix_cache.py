@@ -13,6 +13,11 @@ added tokens before anything else, so such a boundary is hard, provided that:
 3. the tokenizer's own encoding put that very token there (its id at exactly those
    offsets; checked when a segment is cached).
 
+Long texts without added tokens (a document, a long user message) are also cut between
+words (:class:`WordCuts`): ``x y`` (ASCII letters around one space) splits the
+pre-tokenization of the tokenizers whose pre-tokenizer is proven to split there (its
+docstring), and the part after the cut is tokenized on its own.
+
 The text after a cached boundary is tokenized behind the same added token (then dropped),
 so that it is tokenized as a non-first piece, exactly as in the whole text. A segment is
 keyed by its exact text and the node of the segment before it (a chain: the key holds
@@ -100,6 +105,89 @@ class Anchors:
         return out
 
 
+#: The pre-tokenizers under which ``x y`` is a hard split, as ``tokenizer.json`` writes
+#: them (the ``Split`` regexes of a ``Sequence``, ending in ``ByteLevel`` without its
+#: own regex), by the models that use them.
+_WORD_SPLIT_PATTERNS: dict[tuple[str, ...], str] = {
+    (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+     " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"): "DeepSeek-V3",
+    ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",): "Llama 3 (cl100k)",
+    ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",): "Qwen2",
+}
+#: A word cut is the first ``x y`` at or after each multiple of this many characters.
+WORD_CUT_STRIDE = 2048
+
+
+class WordCuts:
+    """Cuts between words of long texts, for the tokenizers where they are provably hard.
+
+    The cut goes at the space of ``x y`` (ASCII letters ``x`` and ``y``). Under each
+    pre-tokenizer of ``_WORD_SPLIT_PATTERNS`` (and GPT-2's ``ByteLevel`` with its own
+    regex), without a normalizer, every regex alternative that matches a letter matches
+    a run of letters (marks) and no whitespace after it, and none can start inside such
+    a run and reach past its end; the run's end is found by a greedy class that stops at
+    the space, as it stops at the end of a text: the pieces of the text before the cut
+    are those of the whole text up to the cut. The piece after starts at the space (an
+    optional non-letter, then letters) and none of the patterns looks behind or anchors:
+    the pieces of the rest are those of the whole text from the cut. BPE works within a
+    piece, and ``ByteLevel`` with ``add_prefix_space`` off treats a first piece as any
+    other, so the ids of the text are the ids of the two parts. Added tokens are split
+    first: none may hold whitespace or strip it (lstrip, rstrip, single_word), so none
+    spans the space. ``tests/gateway/test_tokenize.py`` checks the rule on the DeepSeek
+    tokenizer and on tokenizers built with each pattern (hypothesis)."""
+
+    _CUT = re.compile("[A-Za-z] [A-Za-z]")
+
+    def __init__(self, stride: int = WORD_CUT_STRIDE) -> None:
+        self.stride = stride
+
+    @classmethod
+    def proven_for(cls, tok: tokenizers.Tokenizer, stride: int = WORD_CUT_STRIDE) -> WordCuts | None:
+        """WordCuts when ``tok`` is one the rule is proven for, else None."""
+        import json
+
+        doc = json.loads(tok.to_str())
+        model, pre = doc.get("model") or {}, doc.get("pre_tokenizer") or {}
+        normalizer = doc.get("normalizer")
+        if normalizer and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
+            return None
+        if model.get("type") != "BPE" or model.get("dropout"):
+            return None
+        for t in tok.get_added_tokens_decoder().values():
+            if t.lstrip or t.rstrip or t.single_word or any(c.isspace() for c in t.content):
+                return None
+        if pre.get("type") == "ByteLevel":  # GPT-2's regex, built in
+            proven = pre.get("use_regex", True) and not pre.get("add_prefix_space")
+        elif pre.get("type") == "Sequence":
+            steps = pre.get("pretokenizers") or []
+            last = steps[-1] if steps else {}
+            splits = steps[:-1]
+            proven = (
+                last.get("type") == "ByteLevel" and not last.get("use_regex") and not last.get("add_prefix_space")
+                and all(s.get("type") == "Split" and s.get("behavior") == "Isolated" and not s.get("invert")
+                        and "Regex" in (s.get("pattern") or {}) for s in splits)
+                and tuple(s["pattern"]["Regex"] for s in splits) in _WORD_SPLIT_PATTERNS
+            )
+        else:
+            proven = False
+        return cls(stride) if proven else None
+
+    def boundaries(self, text: str) -> list[tuple[int, str]]:
+        """(offset of the space, "") of the first ``x y`` at or after each multiple of the
+        stride (the cuts of a text's prefix are the same in every text that extends it)."""
+        out: list[tuple[int, str]] = []
+        pos = self.stride - 1
+        search = self._CUT.search
+        while pos < len(text) - 2 and (m := search(text, pos)) is not None:
+            cut = m.start() + 1
+            out.append((cut, ""))
+            pos = max(cut, (cut // self.stride + 1) * self.stride - 1)
+        return out
+
+
 class PrefixCache:
     """Segment chains → ids, LRU-bounded in bytes (module docstring)."""
 
@@ -157,7 +245,9 @@ class PrefixCache:
                 key = (parent, text)
                 seg = self._entries.get(key)
                 if seg is None:
-                    nbytes = sys.getsizeof(text) + 8 * len(ids) + 200  # + the tuple, key and node
+                    # Each id is a tuple slot and (past 256) an int object of its own: 36
+                    # bytes; + the tuple, key and node.
+                    nbytes = sys.getsizeof(text) + 36 * len(ids) + 200
                     if nbytes > self.max_bytes:
                         break
                     seg = _Segment(next(self._next), ids, nbytes)

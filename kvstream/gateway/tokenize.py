@@ -15,9 +15,10 @@
 Asking the chosen engine's ``/tokenize`` instead is the relay's (``[gateway] tokenize =
 "engine"``, kvstream.gateway.prompts).
 
-The ids of shared prefixes (system prompts, earlier turns) are cached at boundaries
-where the tokenizer provably splits (kvstream.gateway.prefix_cache), so that cached ids
-always equal fresh ones.
+The ids of shared prefixes (system prompts, earlier turns, long documents) are cached at
+boundaries where the tokenizer provably splits (kvstream.gateway.prefix_cache), so that
+cached ids always equal fresh ones; what is not cached is tokenized in the pieces those
+boundaries cut, in one batch that ``tokenizers`` spreads over the cores.
 
 Thread-safe: tokenizers' encode is; the cache is guarded by a lock held only for lookups
 and inserts, never while tokenizing. Every encode goes through ``encode_batch`` (or
@@ -29,6 +30,7 @@ and the fast one skips the offsets (~15 % less time; the same ids).
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvstream.gateway.chat_template import ChatRenderer
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
 from kvstream.gateway.options import DEFAULT_CACHE_BYTES, ModelTokenizerConfig
-from kvstream.gateway.prefix_cache import Anchors, PrefixCache
+from kvstream.gateway.prefix_cache import WORD_CUT_STRIDE, Anchors, PrefixCache, WordCuts
 from kvstream.gateway.seams import PromptTokenizer
 
 if TYPE_CHECKING:  # imported when a tokenizer is loaded: every other command starts faster
@@ -46,6 +48,10 @@ if TYPE_CHECKING:  # imported when a tokenizer is loaded: every other command st
 #: Token ids are u32 in every engine kvstream bridges.
 MAX_TOKEN_ID = 2**32 - 1
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _end(offsets: tuple[int, int]) -> int:
+    return offsets[1]
 
 
 def validate_ids(prompt: Sequence[Any]) -> list[int]:
@@ -137,7 +143,8 @@ def load(cfg: ModelTokenizerConfig) -> LoadedTokenizer:
 class LocalTokenizer(PromptTokenizer):
     """One model's tokenizer and chat template, with the prefix cache."""
 
-    def __init__(self, loaded: LoadedTokenizer, *, cache_bytes: int = DEFAULT_CACHE_BYTES, name: str = "") -> None:
+    def __init__(self, loaded: LoadedTokenizer, *, cache_bytes: int = DEFAULT_CACHE_BYTES, name: str = "",
+                 word_cut_stride: int = WORD_CUT_STRIDE) -> None:
         self.name = name
         self.source = loaded.source
         tok = loaded.tokenizer
@@ -148,6 +155,7 @@ class LocalTokenizer(PromptTokenizer):
         special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(loaded.config.get(k))) is not None}
         self.renderer = ChatRenderer(loaded.templates, special)
         self._anchors = Anchors(tok)
+        self._words = WordCuts.proven_for(tok, word_cut_stride)
         self.cache = PrefixCache(cache_bytes) if cache_bytes > 0 else None
         self._wrap = self._special_wrap()
 
@@ -201,43 +209,77 @@ class LocalTokenizer(PromptTokenizer):
         return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def text_ids(self, text: str) -> list[int]:
-        """``text`` without special tokens added; through the prefix cache."""
+        """``text`` without special tokens added: its longest cached prefix, and the rest
+        tokenized in chunks cut at its word cuts (each on its own, all in one batch, which
+        ``tokenizers`` spreads over the cores); the rest's segments are cached."""
         cache = self.cache
-        if cache is None:
-            return self.fresh_ids(text)
-        cuts = self._anchors.boundaries(text)
+        cuts = self._anchors.boundaries(text) if cache is not None else []  # anchors serve the cache only
+        if self._words is not None and len(text) > self._words.stride:
+            at_anchor = {end for end, _ in cuts}
+            cuts = sorted(cuts + [c for c in self._words.boundaries(text) if c[0] not in at_anchor])
         if not cuts:
             return self.fresh_ids(text)
-        found, node, ids, above = cache.longest(text, cuts)
-        if found:
-            start, sentinel = cuts[found - 1]
-        else:
-            start, sentinel = 0, ""
-        enc = self._tok.encode_batch([sentinel + text[start:]], add_special_tokens=False)[0]
-        rest_ids, offsets = enc.ids, enc.offsets
-        skip = 0
-        if sentinel:
-            if not rest_ids or rest_ids[0] != self._anchors.ids[sentinel] or offsets[0] != (0, len(sentinel)):
-                cache.fallback()
-                return self.fresh_ids(text)
-            skip = 1
-        # Cut the new part at its anchors (rule 3: the anchor's own id at its offsets).
-        shift = start - len(sentinel)
-        pieces: list[tuple[str, tuple[int, ...]]] = []
-        i, seg_start, piece_start = skip, start, skip
+        found, node, ids, above = cache.longest(text, cuts) if cache is not None else (0, 0, [], [])
+        start, sentinel = cuts[found - 1] if found else (0, "")
+        # (from, to, the anchors in it): chunks of the rest, each ending at a word cut or the end.
+        chunks: list[tuple[int, int, list[tuple[int, str]]]] = []
+        inside: list[tuple[int, str]] = []
         for end, anchor in cuts[found:]:
-            tid, want = self._anchors.ids[anchor], (end - len(anchor) - shift, end - shift)
-            while i < len(rest_ids) and offsets[i][1] < want[1]:
+            if anchor:
+                inside.append((end, anchor))
+            else:
+                chunks.append((chunks[-1][1] if chunks else start, end, inside))
+                inside = []
+        chunks.append((chunks[-1][1] if chunks else start, len(text), inside))
+        encoded = self._encode_chunks(text, chunks, sentinel)
+        # The sentinel (the anchor the rest follows) must come back as its own token, at its place.
+        first_ids, first_offsets = encoded[0]
+        if sentinel and (not first_ids or first_ids[0] != self._anchors.ids[sentinel]
+                         or first_offsets is None or first_offsets[0] != (0, len(sentinel))):
+            if cache is not None:
+                cache.fallback()
+            return self.fresh_ids(text)
+        pieces: list[tuple[str, tuple[int, ...]]] = []
+        caching, seg_start = cache is not None, start
+        for n, ((a, b, anchors), (chunk_ids, offsets)) in enumerate(zip(chunks, encoded)):
+            skip = 1 if n == 0 and sentinel else 0
+            shift = a - (len(sentinel) if n == 0 else 0)
+            i = piece_start = skip
+            for end, anchor in anchors if caching else ():
+                # Rule 3: the anchor's own id at its offsets, or nothing more is cached.
+                tid, want = self._anchors.ids[anchor], (end - len(anchor) - shift, end - shift)
+                i = bisect_left(offsets, want[1], i, key=_end)
+                if i >= len(chunk_ids) or chunk_ids[i] != tid or offsets[i] != want:
+                    caching = False
+                    break
                 i += 1
-            if i >= len(rest_ids) or rest_ids[i] != tid or offsets[i] != want:
-                break
-            i += 1
-            pieces.append((text[seg_start:end], tuple(rest_ids[piece_start:i])))
-            seg_start, piece_start = end, i
-        if pieces:
+                pieces.append((text[seg_start:end], tuple(chunk_ids[piece_start:i])))
+                seg_start, piece_start = end, i
+            if caching and b < len(text):  # the word cut that ends the chunk
+                pieces.append((text[seg_start:b], tuple(chunk_ids[piece_start:])))
+                seg_start = b
+            ids.extend(chunk_ids[skip:] if skip else chunk_ids)
+        if pieces and cache is not None:
             cache.insert(node, pieces, above)
-        ids.extend(rest_ids[skip:])
         return ids
+
+    def _encode_chunks(self, text: str, chunks: list[tuple[int, int, list[tuple[int, str]]]],
+                       sentinel: str) -> list[tuple[list[int], list[tuple[int, int]] | None]]:
+        """Each chunk's (ids, offsets): offsets only where anchors are checked (the first
+        chunk behind its sentinel, chunks with anchors), the others without (faster)."""
+        out: list[tuple[list[int], list[tuple[int, int]] | None]] = [([], None)] * len(chunks)
+        checked = [n for n, (_, _, anchors) in enumerate(chunks) if anchors or (n == 0 and sentinel)]
+        plain = [n for n, (_, _, anchors) in enumerate(chunks) if not (anchors or (n == 0 and sentinel))]
+        if checked:
+            encs = self._tok.encode_batch(
+                [(sentinel if n == 0 else "") + text[chunks[n][0]:chunks[n][1]] for n in checked], add_special_tokens=False)
+            for n, enc in zip(checked, encs):
+                out[n] = (enc.ids, enc.offsets)
+        if plain:
+            encs = self._tok.encode_batch_fast([text[chunks[n][0]:chunks[n][1]] for n in plain], add_special_tokens=False)
+            for n, enc in zip(plain, encs):
+                out[n] = (enc.ids, None)
+        return out
 
 
 def local_tokenizers(models: Sequence[ModelTokenizerConfig]) -> dict[str, LocalTokenizer]:

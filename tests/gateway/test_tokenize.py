@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
-from kvstream.gateway.prefix_cache import PrefixCache
+from kvstream.gateway.prefix_cache import PrefixCache, WordCuts
 from kvstream.gateway.options import ModelTokenizerConfig
 from kvstream.gateway.tokenize import LocalTokenizer, local_tokenizers
 from kvstream.settings import load_settings
@@ -223,10 +224,13 @@ def test_models_are_configured_in_toml(tmp_path: Path, model_dir: Path) -> None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 4), texts), min_size=1, max_size=8))
 def test_cache_never_changes_ids_of_texts(local, steps) -> None:
+    texts_through_a_small_cache(local, steps, 4000)
+
+
+def texts_through_a_small_cache(tok: LocalTokenizer, steps: list[tuple[int, str]], cache_bytes: int) -> None:
     """Texts that extend, branch from and cut earlier ones, through one small cache
     (evicting), against tokenizing each whole."""
-    tok = local
-    tok.cache = PrefixCache(4000)
+    tok.cache = PrefixCache(cache_bytes)
     seen: list[str] = [""]
     for base, extra in steps:
         prev = seen[base % len(seen)]
@@ -234,7 +238,7 @@ def test_cache_never_changes_ids_of_texts(local, steps) -> None:
         assert tok.text_ids(text) == tok.fresh_ids(text)
         assert tok.completion_ids(text) == tok.fresh_ids(text)  # this post-processor adds nothing
         seen.append(text)
-    assert tok.cache.bytes <= 4000
+    assert tok.cache.bytes <= cache_bytes and tok.cache.stats.fallbacks == 0
 
 
 @SLOW
@@ -320,12 +324,131 @@ def test_tokenize_bench_reports_both_paths_of_one_run(deepseek_tokenizer_json) -
     r = json.loads(out.output.strip().splitlines()[-1])
     assert r["tokens_3k"] >= 3000 and r["cache_fallbacks"] == 0
     assert r["speedup_3k"] == pytest.approx(r["fresh_ms_3k"] / r["cached_ms_3k"], rel=0.02)
+    # The document case (its ids checked against whole tokenization in the run).
+    assert r["doc_tokens_3k"] >= 3000
+    assert r["doc_speedup_3k"] == pytest.approx(r["doc_fresh_ms_3k"] / r["doc_cached_ms_3k"], rel=0.02)
+    assert r["doc_first_sight_speedup_3k"] == pytest.approx(r["doc_fresh_ms_3k"] / r["doc_first_sight_ms_3k"], rel=0.02)
 
 
 def test_lru_evicts_the_ends_of_chains_first() -> None:
-    cache = PrefixCache(600)  # room for two one-character segments (258 bytes each)
+    cache = PrefixCache(600)  # room for two one-character segments (286 bytes each)
     cuts = [(1, "a"), (2, "b"), (3, "c")]
     cache.insert(0, [("a", (1,)), ("b", (2,)), ("c", (3,))], [])
     assert cache.stats.evicted == 1 and cache.bytes <= 600
     found, _, ids, _ = cache.longest("abc", cuts)
     assert (found, ids) == (2, [1, 2])  # the chain's end went, its start is still reachable
+
+
+# -- word cuts (long texts without added tokens) ----------------------------------------
+
+# Words and what sits between them: the cut is only ever at ``x y``, so the text around it
+# must try every neighbour the patterns treat apart (punctuation, digits, marks, CJK,
+# whitespace runs, newlines, an apostrophe's contractions).
+WORDISH = st.lists(st.one_of(
+    st.sampled_from(["the", "cache", "x", "Z", "it's", "don'T", " ", "  ", "\n", " \n ", "\t", ".", ", ", "!?", "(a)",
+                     "12", "3456", "é", "e\u0301", "日本", "ｶﾀ", "🙂", "-", "'", "_", "<｜User｜>", "<｜"]),
+    st.text(alphabet="ab Z\n.'1é", max_size=6),
+), max_size=60).map(" ".join)
+
+
+@pytest.fixture(scope="module")
+def cut_small(model_dir: Path) -> LocalTokenizer:
+    """The DeepSeek tokenizer with a word cut every few characters (the default stride
+    leaves texts this short whole)."""
+    from kvstream.gateway.tokenize import load
+
+    return LocalTokenizer(load(ModelTokenizerConfig(name="ds", tokenizer=model_dir)), word_cut_stride=8)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 4), WORDISH), min_size=1, max_size=6))
+def test_word_cuts_never_change_ids(cut_small, steps) -> None:
+    texts_through_a_small_cache(cut_small, steps, 20_000)
+
+
+def test_a_long_document_asked_again_is_tokenized_from_its_cached_words(model_dir: Path) -> None:
+    import random
+
+    tok = LocalTokenizer.from_config(ModelTokenizerConfig(name="ds", tokenizer=model_dir))
+    rng = random.Random(3)
+    words = ["routing", "cache", "kafka", "replica", "token", "block", "prefix", "engine", "of", "the", "12,", "é."]
+    doc = " ".join(rng.choice(words) for _ in range(12_000))
+    first = tok.text_ids(doc + " What is the first question?")
+    assert first == tok.fresh_ids(doc + " What is the first question?")
+    before = tok.cache.stats.hit_tokens
+    second = doc + " And the second one?"
+    assert tok.text_ids(second) == tok.fresh_ids(second)
+    # All but the last stride of the document came from the cache.
+    assert tok.cache.stats.hit_tokens - before >= len(tok.fresh_ids(doc)) * (1 - 2 * 2048 / len(doc))
+
+
+def _trained(pre_tokenizer, normalizer=None):
+    """A small BPE trained here with ``pre_tokenizer``: the rule is the pre-tokenizer's,
+    whatever the vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    corpus = ["the cache of a replica's routing, it's 12345 tokens!", "don't stop\n\n the engine at 3 am  ", "日本語 ｶﾀｶﾅ é"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+LLAMA3 = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+          "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+QWEN2 = LLAMA3.replace("\\p{N}{1,3}", "\\p{N}")
+PROVEN = {
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "llama3": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3), "isolated"),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    "qwen2": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2), "isolated"),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+}
+
+
+#: Each proven pre-tokenizer's trained tokenizer, trained once.
+_TRAINED: dict[str, object] = {}
+
+
+def _trained_cached(name: str):
+    if name not in _TRAINED:
+        _TRAINED[name] = _trained(PROVEN[name]())
+    return _TRAINED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PROVEN))
+@settings(max_examples=150, deadline=None)
+@given(text=WORDISH)
+def test_each_proven_pre_tokenizer_splits_at_every_word_cut(name, text) -> None:
+    tok = _trained_cached(name)
+    cuts = WordCuts.proven_for(tok, stride=1)
+    assert cuts is not None
+    whole = tok.encode(text, add_special_tokens=False).ids
+    for c, _ in cuts.boundaries(text):
+        left = tok.encode(text[:c], add_special_tokens=False).ids
+        right = tok.encode(text[c:], add_special_tokens=False).ids
+        assert left + right == whole, (text[:c], text[c:])
+
+
+def test_word_cuts_are_off_where_no_proof_covers_the_tokenizer(model_dir: Path) -> None:
+    unproven = {
+        "a pattern not on the list": pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex("\\w+|[^\\w\\s]+"), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)]),
+        "a prefix space": pre_tokenizers.ByteLevel(add_prefix_space=True),
+        "Metaspace (a first piece differs)": pre_tokenizers.Metaspace(),
+        "whitespace split": pre_tokenizers.Whitespace(),
+    }
+    for why, pre in unproven.items():
+        assert WordCuts.proven_for(_trained(pre)) is None, why
+    assert WordCuts.proven_for(_trained(PROVEN["llama3"](), normalizers.NFKC())) is None, "a normalizer"
+    assert WordCuts.proven_for(_trained_cached("llama3")) is not None
+    from tokenizers import Tokenizer
+
+    deepseek = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert WordCuts.proven_for(deepseek) is not None
+    deepseek.add_tokens([AddedToken("two words", normalized=False)])
+    assert WordCuts.proven_for(deepseek) is None, "an added token holding a space"
