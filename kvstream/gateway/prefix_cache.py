@@ -149,12 +149,14 @@ class WordCuts:
         """WordCuts when ``tok`` is one the rule is proven for, else None."""
         import json
 
-        doc = json.loads(tok.to_str())
-        model, pre = doc.get("model") or {}, doc.get("pre_tokenizer") or {}
-        normalizer = doc.get("normalizer")
+        from tokenizers.models import BPE
+
+        # Each part's own JSON (the whole tokenizer's would write out its vocabulary).
+        normalizer = json.loads(tok.normalizer.__getstate__()) if tok.normalizer is not None else None
+        pre = json.loads(tok.pre_tokenizer.__getstate__()) if tok.pre_tokenizer is not None else {}
         if normalizer and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
             return None
-        if model.get("type") != "BPE" or model.get("dropout"):
+        if not isinstance(tok.model, BPE) or tok.model.dropout:
             return None
         for t in tok.get_added_tokens_decoder().values():
             if t.lstrip or t.rstrip or t.single_word or any(c.isspace() for c in t.content):
