@@ -108,7 +108,7 @@ class Anchors:
 #: The pre-tokenizers under which ``x y`` is a hard split, as ``tokenizer.json`` writes
 #: them (the ``Split`` regexes of a ``Sequence``, ending in ``ByteLevel`` without its
 #: own regex), by the models that use them.
-_WORD_SPLIT_PATTERNS: dict[tuple[str, ...], str] = {
+WORD_SPLIT_PATTERNS: dict[tuple[str, ...], str] = {
     (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
      "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
      " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"): "DeepSeek-V3",
@@ -125,7 +125,7 @@ class WordCuts:
     """Cuts between words of long texts, for the tokenizers where they are provably hard.
 
     The cut goes at the space of ``x y`` (ASCII letters ``x`` and ``y``). Under each
-    pre-tokenizer of ``_WORD_SPLIT_PATTERNS`` (and GPT-2's ``ByteLevel`` with its own
+    pre-tokenizer of ``WORD_SPLIT_PATTERNS`` (and GPT-2's ``ByteLevel`` with its own
     regex), without a normalizer, every regex alternative that matches a letter matches
     a run of letters (marks) and no whitespace after it, and none can start inside such
     a run and reach past its end; the run's end is found by a greedy class that stops at
@@ -171,7 +171,7 @@ class WordCuts:
                 last.get("type") == "ByteLevel" and not last.get("use_regex") and not last.get("add_prefix_space")
                 and all(s.get("type") == "Split" and s.get("behavior") == "Isolated" and not s.get("invert")
                         and "Regex" in (s.get("pattern") or {}) for s in splits)
-                and tuple(s["pattern"]["Regex"] for s in splits) in _WORD_SPLIT_PATTERNS
+                and tuple(s["pattern"]["Regex"] for s in splits) in WORD_SPLIT_PATTERNS
             )
         else:
             proven = False

@@ -310,16 +310,15 @@ def test_a_request_waits_for_a_replica_that_is_not_ready_yet(kafka_topics: Setti
             r = httpx.post(f"{refusing.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2]}, headers=AUTH)
             assert r.status_code == 503 and time.monotonic() - t0 >= 0.3
             assert "not ready" in r.json()["error"]["message"] and "waited 0.3s" in r.json()["error"]["message"]
-            answers: list[httpx.Response] = []
-            sent = threading.Thread(target=lambda: answers.append(httpx.post(
-                f"{waiting.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2]}, headers=AUTH, timeout=60)))
+            answers: list = []  # through the openai SDK, as a client waits
+            sent = threading.Thread(target=lambda: answers.append(
+                waiting.client().with_options(timeout=60).completions.create(model=MODEL, prompt=[1, 2])))
             sent.start()
             time.sleep(0.5)
             assert sent.is_alive() and not a.requests("/v1/completions"), "answered before the replica was ready"
             late.start()
             sent.join(60)
-            assert answers[0].status_code == 200, answers[0].text
-            assert answers[0].json()["choices"][0]["text"] == "t0 t1 "
+            assert answers and answers[0].choices[0].text == "t0 t1 "
             wait_until(lambda: load_of(late, waiting.ids[0]) == 0, "the waiting request's load was not freed")
     finally:
         late.stop()

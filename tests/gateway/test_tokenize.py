@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 
 from kvstream.gateway.errors import TokenizeError, TokenizerConfigError
-from kvstream.gateway.prefix_cache import PrefixCache, WordCuts
+from kvstream.gateway.prefix_cache import WORD_SPLIT_PATTERNS, PrefixCache, WordCuts
 from kvstream.gateway.options import ModelTokenizerConfig
 from kvstream.gateway.tokenize import LocalTokenizer, local_tokenizers
 from kvstream.settings import load_settings
@@ -398,15 +398,15 @@ def _trained(pre_tokenizer, normalizer=None):
     return tok
 
 
-LLAMA3 = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-          "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-QWEN2 = LLAMA3.replace("\\p{N}{1,3}", "\\p{N}")
+def _split_then_bytes(patterns: tuple[str, ...]):
+    return pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(p), "isolated") for p in patterns),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+#: Every pre-tokenizer the rule is claimed for (the module's own list, and GPT-2's).
 PROVEN = {
-    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    "llama3": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3), "isolated"),
-                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
-    "qwen2": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2), "isolated"),
-                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    "GPT-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    **{name: (lambda pats=pats: _split_then_bytes(pats)) for pats, name in WORD_SPLIT_PATTERNS.items()},
 }
 
 
@@ -444,8 +444,8 @@ def test_word_cuts_are_off_where_no_proof_covers_the_tokenizer(model_dir: Path) 
     }
     for why, pre in unproven.items():
         assert WordCuts.proven_for(_trained(pre)) is None, why
-    assert WordCuts.proven_for(_trained(PROVEN["llama3"](), normalizers.NFKC())) is None, "a normalizer"
-    assert WordCuts.proven_for(_trained_cached("llama3")) is not None
+    assert WordCuts.proven_for(_trained(PROVEN["Llama 3 (cl100k)"](), normalizers.NFKC())) is None, "a normalizer"
+    assert WordCuts.proven_for(_trained_cached("Llama 3 (cl100k)")) is not None
     from tokenizers import Tokenizer
 
     deepseek = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
