@@ -109,7 +109,7 @@ def tokenize_bench(sizes: tuple[int, ...], tokenizer_path: Path | None, repeat: 
 
         whole = fresh.fresh_ids(fresh.renderer.render(body(-1)))
         n_tokens = len(whole)
-        if cached.chat_ids(body(-1)) != whole:
+        if cached.chat_ids(body(-1)).tolist() != whole:
             raise click.ClickException("the cached path gave other ids than the fresh one")
         samples: dict[str, list[int]] = {"fresh": [], "cached": [], "render": []}
         for i in range(repeat):
@@ -146,7 +146,7 @@ def _document_case(rng: random.Random, fresh, cached, size: int, repeat: int, k:
     def prompt(d: str, i: int) -> str:
         return f"{d} Question {i}: what does it say about the cache?"
 
-    if cached.text_ids(prompt(doc, -1)) != fresh.fresh_ids(prompt(doc, -1)):
+    if cached.text_ids(prompt(doc, -1)).tolist() != fresh.fresh_ids(prompt(doc, -1)):
         raise click.ClickException("the cached path gave other ids than the fresh one (document)")
     samples: dict[str, list[int]] = {"fresh": [], "cached": [], "first": []}
     for i in range(repeat):
@@ -156,7 +156,7 @@ def _document_case(rng: random.Random, fresh, cached, size: int, repeat: int, k:
             t0 = time.perf_counter_ns()
             fn()
             samples[name].append(time.perf_counter_ns() - t0)
-    if cached.text_ids(prompt(others[0], 0)) != fresh.fresh_ids(prompt(others[0], 0)):
+    if cached.text_ids(prompt(others[0], 0)).tolist() != fresh.fresh_ids(prompt(others[0], 0)):
         raise click.ClickException("the cached path gave other ids than the fresh one (document, first sight)")
     fresh_ms, cached_ms, first_ms = (percentiles_us(samples[n], 50)[0] / 1000 for n in ("fresh", "cached", "first"))
     result.update({

@@ -23,7 +23,9 @@ so that it is tokenized as a non-first piece, exactly as in the whole text. A se
 keyed by its exact text and the node of the segment before it (a chain: the key holds
 the whole prefix, compared as text, never by hash); each cache belongs to one tokenizer
 instance. ``tests/gateway/test_tokenize.py`` proves ids with the cache equal ids without
-on random conversations and texts (hypothesis). The cache is an LRU bounded in bytes.
+on random conversations and texts (hypothesis). The cache is an LRU bounded in bytes; a
+segment's ids are kept packed (native u32, 4 bytes each, as routing reads them), so a
+prompt is its cached segments joined, never a list of Python ints built again.
 
 Thread-safe: the cache is guarded by a lock held only for lookups and inserts, never
 while tokenizing.
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class _Segment:
     node: int
-    ids: tuple[int, ...]
+    #: Packed native u32.
+    ids: bytes
     nbytes: int
 
 
@@ -206,10 +209,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def longest(self, text: str, cuts: list[tuple[int, str]]) -> tuple[int, int, list[int], list[tuple[int, str]]]:
-        """(cuts matched, node of the last, their ids, their keys) for the longest cached
-        prefix."""
-        ids: list[int] = []
+    def longest(self, text: str, cuts: list[tuple[int, str]]) -> tuple[int, int, list[bytes], list[tuple[int, str]]]:
+        """(cuts matched, node of the last, their packed ids, their keys) for the longest
+        cached prefix."""
+        ids: list[bytes] = []
         keys: list[tuple[int, str]] = []
         node, start = 0, 0
         with self._lock:
@@ -220,11 +223,11 @@ class PrefixCache:
                 if seg is None:
                     break
                 keys.append(key)
-                ids.extend(seg.ids)
+                ids.append(seg.ids)
                 node, start = seg.node, end
             self._touch(keys)
             self.stats.hit_segments += len(keys)
-            self.stats.hit_tokens += len(ids)
+            self.stats.hit_tokens += sum(map(len, ids)) // 4
         return len(keys), node, ids, keys
 
     def _touch(self, chain: list[tuple[int, str]]) -> None:
@@ -238,8 +241,8 @@ class PrefixCache:
         with self._lock:
             self.stats.fallbacks += 1
 
-    def insert(self, parent: int, pieces: list[tuple[str, tuple[int, ...]]], above: list[tuple[int, str]]) -> None:
-        """Add a chain of (segment text, ids) under ``parent``, the end of the chain
+    def insert(self, parent: int, pieces: list[tuple[str, bytes]], above: list[tuple[int, str]]) -> None:
+        """Add a chain of (segment text, packed ids) under ``parent``, the end of the chain
         ``above`` (the keys of the segments before it)."""
         chain: list[tuple[int, str]] = []
         with self._lock:
@@ -247,9 +250,8 @@ class PrefixCache:
                 key = (parent, text)
                 seg = self._entries.get(key)
                 if seg is None:
-                    # Each id is a tuple slot and (past 256) an int object of its own: 36
-                    # bytes; + the tuple, key and node.
-                    nbytes = sys.getsizeof(text) + 36 * len(ids) + 200
+                    # The text, the packed ids, and the key, entry and node around them.
+                    nbytes = sys.getsizeof(text) + sys.getsizeof(ids) + 200
                     if nbytes > self.max_bytes:
                         break
                     seg = _Segment(next(self._next), ids, nbytes)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstream.roles import Handoff, Role
+
+if TYPE_CHECKING:
+    from kvstream.router.core import PromptTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +61,13 @@ class WorkerDirectory(Protocol):
 class PromptTokenizer(Protocol):
     """Token ids of a request's prompt, exactly as the engine will compute them."""
 
-    def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def completion_ids(self, prompt: str | Sequence[int]) -> PromptTokens:
         """``prompt`` of ``/v1/completions``: text is tokenized (with the model's special
-        tokens, as the engine does); a list of ints is used as given."""
+        tokens, as the engine does; a uint32 array or a list); a list of ints is used as
+        given."""
         ...
 
-    def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
+    def chat_ids(self, body: Mapping[str, Any]) -> PromptTokens:
         """The ids of a ``/v1/chat/completions`` body's ``messages`` rendered by the
         model's chat template (``tools``, ``add_generation_prompt``,
         ``chat_template_kwargs`` honoured as the engine does)."""

@@ -12,6 +12,8 @@ import openai
 import orjson
 import pytest
 
+from kvstream.gateway.options import ModelTokenizerConfig
+from kvstream.gateway.tokenize import LocalTokenizer, load
 from kvstream.replica.options import ReplicaOptions
 from kvstream.replica.replica import Replica
 from kvstream.settings import Settings
@@ -23,6 +25,7 @@ from tests.gateway.fleet import (
     load_of,
     publish_prefix,
     serving,
+    tokenizer_file,
     wait_until,
 )
 from tests.replica.test_replica_kafka import start
@@ -420,6 +423,24 @@ def test_the_worker_holding_the_longest_prefix_gets_the_request(replica: Replica
         chosen = {client.completions.with_raw_response.create(model=MODEL, prompt=ids(seed)).headers["x-kvstream-worker"]
                   for seed in range(40, 52)}
         assert str(s.ids[2]) in chosen  # a registered worker with no event is a candidate
+
+
+def test_a_long_document_is_routed_by_the_local_tokenizers_cached_ids(replica: Replica, prompt_tokenizer) -> None:
+    """kvstream's own LocalTokenizer in the gateway: a long document's ids (a uint32 array,
+    joined from its prefix cache the second time) route it to the worker holding it."""
+    local = LocalTokenizer(load(ModelTokenizerConfig(name=MODEL, tokenizer=str(tokenizer_file()))))
+    text = " ".join(f"part {i} of the document about the cache" for i in range(800)) + " What does it say?"
+    token_ids = prompt_tokenizer.completion_ids(text)  # the tokenizer's own, the text whole
+    full = len(token_ids) // 16 * 16
+    with running(Backend("a"), Backend("b")) as backends, serving(replica, backends, {MODEL: local}) as s:
+        publish_prefix(replica, s.ids[1], token_ids[:full])
+        client = s.client()
+        for _ in range(2):
+            r = client.completions.with_raw_response.create(model=MODEL, prompt=text)
+            assert r.headers["x-kvstream-worker"] == str(s.ids[1])
+            assert r.headers["x-kvstream-cached-tokens"] == str(full)
+        # The second came from the cache, all but the piece after its last word cut.
+        assert local.cache is not None and local.cache.stats.hit_tokens > len(token_ids) * 0.9
 
 
 def test_models_embeddings_and_lora_names(replica: Replica) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +29,16 @@ from .tokenizer_fixtures import deepseek_tokenizer_json, model_dir  # noqa: F401
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers reads the local directory only
 
 SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def listed(ids: np.ndarray | list[int]) -> list[int]:
+    """Ids as a list: text's come as one uint32 array (what routing reads), given ids as
+    they were given."""
+    if isinstance(ids, np.ndarray):
+        assert ids.dtype == np.uint32 and ids.ndim == 1
+        return ids.tolist()
+    assert isinstance(ids, list)
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -89,25 +100,25 @@ def test_chat_ids_equal_transformers(local, reference, messages, generation, wit
         messages, add_generation_prompt=generation, tokenize=True, return_dict=False, enable_thinking=thinking,
         **kwargs,
     )
-    assert local.chat_ids(body) == want
-    assert local.chat_ids(body) == want  # again, now through the cache
+    assert listed(local.chat_ids(body)) == want
+    assert listed(local.chat_ids(body)) == want  # again, now through the cache
 
 
 def test_chat_defaults_and_options_as_vllm(local, reference) -> None:
     messages = [{"role": "user", "content": "hi", "name": None}, {"role": "assistant", "content": "Hello"}]
     # vLLM adds the generation prompt unless told not to; null keys are dropped.
-    assert local.chat_ids({"messages": messages}) == reference.apply_chat_template(
+    assert listed(local.chat_ids({"messages": messages})) == reference.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
         add_generation_prompt=True, tokenize=True, return_dict=False,
     )
-    assert local.chat_ids({"messages": messages, "add_generation_prompt": False,
-                           "continue_final_message": True}) == reference.apply_chat_template(
+    assert listed(local.chat_ids({"messages": messages, "add_generation_prompt": False,
+                           "continue_final_message": True})) == reference.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
         continue_final_message=True, tokenize=True, return_dict=False,
     )
     # Content parts: this template wants a string, so text parts are joined (vLLM's way).
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b <think>"}]
-    assert local.chat_ids({"messages": [{"role": "user", "content": parts}]}) == reference.apply_chat_template(
+    assert listed(local.chat_ids({"messages": [{"role": "user", "content": parts}]})) == reference.apply_chat_template(
         [{"role": "user", "content": "a\nb <think>"}], add_generation_prompt=True, tokenize=True, return_dict=False,
     )
     with pytest.raises(TokenizeError, match="only text content parts"):
@@ -115,7 +126,7 @@ def test_chat_defaults_and_options_as_vllm(local, reference) -> None:
     # Tool call arguments as the OpenAI API sends them (a JSON string) are parsed.
     call = {"type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
     parsed = {"type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}
-    got = local.chat_ids({"messages": [{"role": "assistant", "content": "", "tool_calls": [call]}]})
+    got = listed(local.chat_ids({"messages": [{"role": "assistant", "content": "", "tool_calls": [call]}]}))
     assert got == reference.apply_chat_template(
         [{"role": "assistant", "content": "", "tool_calls": [parsed]}], add_generation_prompt=True,
         tokenize=True, return_dict=False,
@@ -125,11 +136,11 @@ def test_chat_defaults_and_options_as_vllm(local, reference) -> None:
 @SLOW
 @given(texts)
 def test_completion_ids_equal_the_tokenizers_with_special_tokens(local, reference, text) -> None:
-    assert local.completion_ids(text) == reference(text)["input_ids"]
+    assert listed(local.completion_ids(text)) == reference(text)["input_ids"]
 
 
 def test_token_id_prompts_are_used_as_given_and_checked(local) -> None:
-    assert local.completion_ids([0, 5, 2**32 - 1]) == [0, 5, 2**32 - 1]
+    assert listed(local.completion_ids([0, 5, 2**32 - 1])) == [0, 5, 2**32 - 1]
     for bad, where in (([1, -1], "prompt[1]"), ([2**32], "prompt[0]"), ([1, True], "prompt[1]"),
                        ([1.0], "prompt[0]"), (["1"], "prompt[0]"), ([], "empty")):
         with pytest.raises(TokenizeError, match=re.escape(where)):
@@ -172,7 +183,7 @@ def test_tokenizer_config_errors(tmp_path: Path, deepseek_tokenizer_json: Path) 
         LocalTokenizer.from_config(ModelTokenizerConfig(name="m", tokenizer=deepseek_tokenizer_json, chat_template=template))
     # A bare tokenizer.json: completions work, chat says why it cannot.
     bare = LocalTokenizer.from_config(ModelTokenizerConfig(name="m", tokenizer=deepseek_tokenizer_json))
-    assert bare.completion_ids("hello") == bare.fresh_ids("hello")
+    assert listed(bare.completion_ids("hello")) == bare.fresh_ids("hello")
     with pytest.raises(TokenizeError, match="no chat template"):
         bare.chat_ids({"messages": [{"role": "user", "content": "x"}]})
 
@@ -189,15 +200,15 @@ def test_named_templates(tmp_path: Path, deepseek_tokenizer_json: Path) -> None:
     ]}))
     tok = LocalTokenizer.from_config(ModelTokenizerConfig(name="m", tokenizer=d))
     msgs = [{"role": "user", "content": "x<y>"}]
-    assert tok.chat_ids({"messages": msgs}) == tok.fresh_ids("Dx<y>")
-    assert tok.chat_ids({"messages": msgs, "tools": [{"a": 1}]}) == tok.fresh_ids("T1")
+    assert listed(tok.chat_ids({"messages": msgs})) == tok.fresh_ids("Dx<y>")
+    assert listed(tok.chat_ids({"messages": msgs, "tools": [{"a": 1}]})) == tok.fresh_ids("T1")
     docs = [{"title": "<&>", "text": "é"}]
-    assert tok.chat_ids({"messages": msgs, "chat_template": "rag", "documents": docs}) == tok.fresh_ids(
+    assert listed(tok.chat_ids({"messages": msgs, "chat_template": "rag", "documents": docs})) == tok.fresh_ids(
         "R" + json.dumps(docs, ensure_ascii=False))  # tojson: no HTML escaping, no ASCII escaping
     # A template that loops over the content parts gets them as given.
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert tok.chat_ids({"messages": [{"role": "user", "content": parts}], "chat_template": "parts"}) == tok.fresh_ids("[a][b]")
-    assert tok.chat_ids({"messages": [{"role": "user", "content": parts}]}) == tok.fresh_ids("Da\nb")
+    assert listed(tok.chat_ids({"messages": [{"role": "user", "content": parts}], "chat_template": "parts"})) == tok.fresh_ids("[a][b]")
+    assert listed(tok.chat_ids({"messages": [{"role": "user", "content": parts}]})) == tok.fresh_ids("Da\nb")
 
 
 def test_models_are_configured_in_toml(tmp_path: Path, model_dir: Path) -> None:
@@ -213,7 +224,7 @@ def test_models_are_configured_in_toml(tmp_path: Path, model_dir: Path) -> None:
         load_settings(config)
     config.write_text(f'[[gateway.models]]\nname = "ds"\ntokenizer = "{model_dir}"\n')
     made = local_tokenizers(load_settings(config).gateway.models)
-    assert made["ds"].completion_ids("hi") == made["ds"].fresh_ids("hi")
+    assert listed(made["ds"].completion_ids("hi")) == made["ds"].fresh_ids("hi")
     with pytest.raises(TokenizerConfigError, match="twice"):
         local_tokenizers(load_settings(config).gateway.models * 2)
 
@@ -235,8 +246,8 @@ def texts_through_a_small_cache(tok: LocalTokenizer, steps: list[tuple[int, str]
     for base, extra in steps:
         prev = seen[base % len(seen)]
         text = prev[: len(prev) * 2 // 3] + extra if base == 3 else prev + extra
-        assert tok.text_ids(text) == tok.fresh_ids(text)
-        assert tok.completion_ids(text) == tok.fresh_ids(text)  # this post-processor adds nothing
+        assert listed(tok.text_ids(text)) == tok.fresh_ids(text)
+        assert listed(tok.completion_ids(text)) == tok.fresh_ids(text)  # this post-processor adds nothing
         seen.append(text)
     assert tok.cache.bytes <= cache_bytes and tok.cache.stats.fallbacks == 0
 
@@ -249,7 +260,7 @@ def test_cache_never_changes_ids_of_growing_conversations(local, turns) -> None:
     for turn in turns:
         messages = messages + turn
         body = {"messages": messages}
-        assert local.chat_ids(body) == local.fresh_ids(local.renderer.render(body))
+        assert listed(local.chat_ids(body)) == local.fresh_ids(local.renderer.render(body))
     assert local.cache.stats.fallbacks == 0
     if len(turns) > 1:  # every later turn starts with the segments of the one before
         assert local.cache.stats.hit_segments >= len(turns) - 1
@@ -284,7 +295,7 @@ def test_cached_path_is_faster_than_fresh_on_a_long_shared_prefix(model_dir) -> 
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    assert tok.chat_ids(next_turn(0)) == fresh.chat_ids(next_turn(0))
+    assert listed(tok.chat_ids(next_turn(0))) == listed(fresh.chat_ids(next_turn(0)))
     assert len(fresh.chat_ids(next_turn(0))) > 15_000
     cached_s, fresh_s = best(tok), best(fresh)
     assert cached_s < fresh_s, (cached_s, fresh_s)
@@ -301,7 +312,7 @@ def test_cache_is_thread_safe(model_dir) -> None:
         try:
             for j in range(len(bodies)):
                 i = (j * 7 + k) % len(bodies)
-                assert tok.chat_ids(bodies[i]) == want[i]
+                assert listed(tok.chat_ids(bodies[i])) == want[i]
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -331,12 +342,14 @@ def test_tokenize_bench_reports_both_paths_of_one_run(deepseek_tokenizer_json) -
 
 
 def test_lru_evicts_the_ends_of_chains_first() -> None:
-    cache = PrefixCache(600)  # room for two one-character segments (286 bytes each)
+    cache = PrefixCache(600)  # room for two one-character segments of one id (287 bytes each)
     cuts = [(1, "a"), (2, "b"), (3, "c")]
-    cache.insert(0, [("a", (1,)), ("b", (2,)), ("c", (3,))], [])
+    one, two, three = (np.array([i], dtype=np.uint32).tobytes() for i in (1, 2, 3))
+    cache.insert(0, [("a", one), ("b", two), ("c", three)], [])
     assert cache.stats.evicted == 1 and cache.bytes <= 600
     found, _, ids, _ = cache.longest("abc", cuts)
-    assert (found, ids) == (2, [1, 2])  # the chain's end went, its start is still reachable
+    assert (found, ids) == (2, [one, two])  # the chain's end went, its start is still reachable
+    assert cache.stats.hit_tokens == 2
 
 
 # -- word cuts (long texts without added tokens) ----------------------------------------
@@ -373,11 +386,11 @@ def test_a_long_document_asked_again_is_tokenized_from_its_cached_words(model_di
     rng = random.Random(3)
     words = ["routing", "cache", "kafka", "replica", "token", "block", "prefix", "engine", "of", "the", "12,", "é."]
     doc = " ".join(rng.choice(words) for _ in range(12_000))
-    first = tok.text_ids(doc + " What is the first question?")
+    first = listed(tok.text_ids(doc + " What is the first question?"))
     assert first == tok.fresh_ids(doc + " What is the first question?")
     before = tok.cache.stats.hit_tokens
     second = doc + " And the second one?"
-    assert tok.text_ids(second) == tok.fresh_ids(second)
+    assert listed(tok.text_ids(second)) == tok.fresh_ids(second)
     # All but the last stride of the document came from the cache.
     assert tok.cache.stats.hit_tokens - before >= len(tok.fresh_ids(doc)) * (1 - 2 * 2048 / len(doc))
 
