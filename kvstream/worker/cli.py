@@ -475,7 +475,7 @@ def _run_synthetic(
             next_at += period
             while not stop.is_set() and (wait := next_at - time.monotonic()) > 0:
                 node.poll()
-                stop.wait(min(wait, options.linger_ms / 1000))
+                stop.wait(min(wait, node.publisher.due_in()))
         clean = registered.successor is None
     except PublisherError as exc:
         raise click.ClickException(str(exc)) from None

@@ -8,6 +8,7 @@ publisher's housekeeping in turn.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -92,11 +93,10 @@ class EngineNode:
     def run(self, stop: threading.Event) -> None:
         """Engine messages in, housekeeping, until ``stop`` is set."""
         publisher, consolidator, bridge = self.publisher, self.consolidator, self.bridge
-        # Wake at least this often for the publisher's linger and heartbeat timers.
-        wake_ms = max(1, int(min(publisher.options.linger_ms, publisher.options.heartbeat_s * 1000)))
         next_status = time.monotonic() + STATUS_EVERY_S
         while not stop.is_set():
-            self.step(wake_ms)
+            # Engine messages wake it at once; else it waits until the publisher has work.
+            self.step(math.ceil(publisher.due_in() * 1000))
             now = time.monotonic()
             if now >= next_status:
                 next_status += STATUS_EVERY_S

@@ -3,6 +3,7 @@ heartbeats, delivery failures and the resync round trip through kvstream.control
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -17,7 +18,16 @@ from kvstream.kafka.config import consumer_config, producer_config
 from kvstream.settings import Settings, TopicSettings
 from kvstream.worker.consolidator import Consolidator, Mode
 from kvstream.worker.errors import PublisherClosedError, PublisherQueueFullError
-from kvstream.worker.publisher import RESYNC_RECORD, KafkaPublisher, PublisherOptions, QueueFull, ResyncRequest
+from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
+from kvstream.worker.publisher import (
+    HOUSEKEEPING_S,
+    RESYNC_RECORD,
+    KafkaPublisher,
+    PublisherOptions,
+    QueueFull,
+    ResyncRequest,
+)
+from kvstream.worker.zmq_bridge import BridgeOptions, Endpoint
 from kvstream.worker.source_events import SourceRemoved, SourceStored
 
 pytestmark = pytest.mark.kafka
@@ -172,6 +182,55 @@ def test_heartbeats_and_linger(kafka_topics):
     assert len(batches[0].events) == 2
     assert all(b.events == () and b.epoch == pub.epoch for b in batches[1:])
     assert len(batches) >= 3
+
+
+def test_due_in_is_when_poll_has_work(kafka_topics):
+    """A worker loop waits for engine messages up to due_in(): a pending batch's linger,
+    the next heartbeat, and HOUSEKEEPING_S at most (control requests, delivery reports)."""
+    pub = KafkaPublisher(kafka_topics, options(heartbeat_s=5, linger_ms=50))
+    try:
+        assert pub.due_in() <= 0.05  # the epoch's cleared waits for its linger
+        time.sleep(0.06)
+        assert pub.due_in() == 0
+        pub.poll(EMPTY)
+        assert pub.stats.batches == 1
+        assert 0 < pub.due_in() <= HOUSEKEEPING_S  # nothing pending, the heartbeat 5 s away
+        pub.stored(0, D, None, [1], LOCAL[0:1])
+        assert pub.due_in() <= 0.05
+    finally:
+        pub.close()
+    beating = KafkaPublisher(kafka_topics, options(heartbeat_s=0.02, linger_ms=60_000))
+    try:
+        assert beating.due_in() <= 0.02
+    finally:
+        beating.close()
+
+
+def test_an_idle_engine_node_waits_instead_of_spinning(kafka_topics):
+    """With nothing from its engine, the loop wakes for the publisher's housekeeping
+    only (it woke every linger, 5 ms: 200 times a second)."""
+    opts = EngineNodeOptions(options(linger_ms=5), BridgeOptions((Endpoint("tcp://127.0.0.1:9"),), replay_timeout_ms=100))
+    node = EngineNode(kafka_topics, opts)
+    steps = 0
+    step = node.step
+
+    def counted(timeout_ms: int) -> None:
+        nonlocal steps
+        steps += 1
+        step(timeout_ms)
+
+    node.step = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    try:
+        node.start()
+        t = threading.Thread(target=node.run, args=(stop,))
+        t.start()
+        time.sleep(1.0)
+        stop.set()
+        t.join(10)
+    finally:
+        node.close()
+    assert 1 <= steps <= 3 / HOUSEKEEPING_S, steps
 
 
 def test_queue_full_fails_loudly_then_resyncs(kafka_topics):
