@@ -18,6 +18,12 @@ words (:class:`WordCuts`): ``x y`` (ASCII letters around one space) splits the
 pre-tokenization of the tokenizers whose pre-tokenizer is proven to split there (its
 docstring), and the part after the cut is tokenized on its own.
 
+A text that leaves a cached chain where an earlier one left it (the same document, another
+question) shares their common part up to its last word cut (:meth:`PrefixCache.shared_after`,
+:meth:`WordCuts.last_within`): that part becomes a segment of its own, so the next
+question tokenizes only itself, not the document's last stride again (a text radix
+tree's sharing, at the cuts that are proven hard).
+
 The text after a cached boundary is tokenized behind the same added token (then dropped),
 so that it is tokenized as a non-first piece, exactly as in the whole text. A segment is
 keyed by its exact text and the node of the segment before it (a chain: the key holds
@@ -143,6 +149,7 @@ class WordCuts:
     tokenizer and on tokenizers built with each pattern (hypothesis)."""
 
     _CUT = re.compile("[A-Za-z] [A-Za-z]")
+    _SPACE = re.compile("(?<=[A-Za-z]) (?=[A-Za-z])")
 
     def __init__(self, stride: int = WORD_CUT_STRIDE) -> None:
         self.stride = stride
@@ -192,6 +199,33 @@ class WordCuts:
             pos = max(cut, (cut // self.stride + 1) * self.stride - 1)
         return out
 
+    def is_cut(self, text: str, p: int) -> bool:
+        """Whether ``p`` is the space of an ``x y`` of ``text``."""
+        return self._CUT.match(text, p - 1, p + 2) is not None if p >= 1 else False
+
+    def last_within(self, text: str, lo: int, hi: int) -> int | None:
+        """The last cut ``p`` (the space of an ``x y`` of ``text``) with lo < p <= hi."""
+        last = None
+        for m in self._SPACE.finditer(text, lo + 1, min(hi + 2, len(text))):
+            last = m.start()
+        return last
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the common prefix of ``a`` and ``b`` (slices compared in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+#: Branch segments remembered per node (PrefixCache.branches).
+MAX_BRANCHES = 4
+
 
 class PrefixCache:
     """Segment chains → ids, LRU-bounded in bytes (module docstring)."""
@@ -201,6 +235,13 @@ class PrefixCache:
         self.bytes = 0
         self.stats = CacheStats()
         self._entries: OrderedDict[tuple[int, str], _Segment] = OrderedDict()
+        #: Node → the text that last followed it (shared_after), counted in ``bytes``.
+        self._after: dict[int, str] = {}
+        #: The nodes of the segments held (the root, 0, is always there).
+        self._live: set[int] = set()
+        #: Node → the lengths of the segments cut below it where texts diverged, latest
+        #: first (a few: a document's end, a common first word of its questions).
+        self._branches: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         # Node ids are never reused: a segment under an evicted parent is unreachable,
         # never attached to another prefix.
@@ -209,12 +250,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def longest(self, text: str, cuts: list[tuple[int, str]]) -> tuple[int, int, list[bytes], list[tuple[int, str]]]:
+    def longest(self, text: str, cuts: list[tuple[int, str]], node: int = 0, start: int = 0,
+                above: list[tuple[int, str]] | None = None) -> tuple[int, int, list[bytes], list[tuple[int, str]]]:
         """(cuts matched, node of the last, their packed ids, their keys) for the longest
-        cached prefix."""
+        cached prefix, from ``node`` at offset ``start`` (the root: the text's start;
+        else ``above`` are the keys of the chain down to ``node``)."""
         ids: list[bytes] = []
         keys: list[tuple[int, str]] = []
-        node, start = 0, 0
         with self._lock:
             self.stats.lookups += 1
             for end, _ in cuts:
@@ -225,10 +267,51 @@ class PrefixCache:
                 keys.append(key)
                 ids.append(seg.ids)
                 node, start = seg.node, end
-            self._touch(keys)
+            self._touch((above or []) + keys)
             self.stats.hit_segments += len(keys)
             self.stats.hit_tokens += sum(map(len, ids)) // 4
         return len(keys), node, ids, keys
+
+    def shared_after(self, node: int, text: str, start: int, keep: int) -> int:
+        """How many characters of ``text`` from ``start`` the text that last followed
+        ``node`` had in common with it; ``text[start:start + keep]`` follows it now."""
+        tail = text[start:start + keep]
+        with self._lock:
+            old = self._remember(node, tail)
+            self._evict()
+        return _common(old, tail) if old else 0
+
+    def _remember(self, node: int, tail: str) -> str:
+        """``tail`` follows ``node`` now; what followed it before ("" if nothing)."""
+        if node and node not in self._live:
+            return ""  # evicted meanwhile: nothing hangs below it any more
+        old = self._after.get(node, "")
+        self._after[node] = tail
+        self.bytes += sys.getsizeof(tail) - (sys.getsizeof(old) if old else 0)
+        return old
+
+    def branches(self, node: int) -> list[int]:
+        """The lengths of the segments cut below ``node`` where texts diverged."""
+        with self._lock:
+            return list(self._branches.get(node, ()))
+
+    def add_branch(self, node: int, length: int) -> None:
+        with self._lock:
+            if node and node not in self._live:
+                return
+            known = self._branches.setdefault(node, [])
+            if length not in known:
+                known.insert(0, length)
+                del known[MAX_BRANCHES:]
+
+    def segment(self, key: tuple[int, str]) -> _Segment | None:
+        """The segment under ``key``, or None (a longest() from it touches the chain)."""
+        with self._lock:
+            seg = self._entries.get(key)
+            if seg is not None:
+                self.stats.hit_segments += 1
+                self.stats.hit_tokens += len(seg.ids) // 4
+            return seg
 
     def _touch(self, chain: list[tuple[int, str]]) -> None:
         # A prefix's segments become the most recent, the first one last of all: the LRU
@@ -241,12 +324,15 @@ class PrefixCache:
         with self._lock:
             self.stats.fallbacks += 1
 
-    def insert(self, parent: int, pieces: list[tuple[str, bytes]], above: list[tuple[int, str]]) -> None:
+    def insert(self, parent: int, pieces: list[tuple[str, bytes]], above: list[tuple[int, str]],
+               last_on: str = "") -> None:
         """Add a chain of (segment text, packed ids) under ``parent``, the end of the chain
-        ``above`` (the keys of the segments before it)."""
+        ``above`` (the keys of the segments before it); ``last_on``: the text from the
+        last piece on, which a next text that leaves the chain before that piece (its
+        end is where texts diverge) shares with it (shared_after)."""
         chain: list[tuple[int, str]] = []
         with self._lock:
-            for text, ids in pieces:
+            for n, (text, ids) in enumerate(pieces):
                 key = (parent, text)
                 seg = self._entries.get(key)
                 if seg is None:
@@ -256,12 +342,28 @@ class PrefixCache:
                         break
                     seg = _Segment(next(self._next), ids, nbytes)
                     self._entries[key] = seg
+                    self._live.add(seg.node)
                     self.bytes += nbytes
                     self.stats.inserted += 1
+                if n == len(pieces) - 1 and last_on:
+                    self._remember(parent, last_on)
                 chain.append(key)
                 parent = seg.node
             self._touch(above + chain)
-            while self.bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self.bytes -= old.nbytes
-                self.stats.evicted += 1
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes:
+            if not self._entries:  # the root's remembered text alone is over the budget
+                self._forget(0)
+                break
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.nbytes
+            self._live.discard(old.node)
+            self._branches.pop(old.node, None)
+            self._forget(old.node)
+            self.stats.evicted += 1
+
+    def _forget(self, node: int) -> None:
+        if (tail := self._after.pop(node, None)) is not None:
+            self.bytes -= sys.getsizeof(tail)

@@ -243,10 +243,13 @@ class LocalTokenizer(PromptTokenizer):
             return [_pack(self.fresh_ids(text))]
         found, node, parts, above = cache.longest(text, cuts) if cache is not None else (0, 0, [], [])
         start, sentinel = cuts[found - 1] if found else (0, "")
+        rest = cuts[found:]
+        if cache is not None and self._words is not None:
+            start, sentinel, node, rest = self._branch(cache, text, start, sentinel, node, rest, parts, above)
         # (from, to, the anchors in it): chunks of the rest, each ending at a word cut or the end.
         chunks: list[tuple[int, int, list[tuple[int, str]]]] = []
         inside: list[tuple[int, str]] = []
-        for end, anchor in cuts[found:]:
+        for end, anchor in rest:
             if anchor:
                 inside.append((end, anchor))
             else:
@@ -283,8 +286,40 @@ class LocalTokenizer(PromptTokenizer):
                 seg_start = b
             parts.append(packed[4 * skip:] if skip else packed)
         if pieces and cache is not None:
-            cache.insert(node, pieces, above)
+            last = seg_start - len(pieces[-1][0])
+            cache.insert(node, pieces, above, text[last:last + 2 * self._words.stride] if self._words else "")
         return parts
+
+    def _branch(self, cache: PrefixCache, text: str, start: int, sentinel: str, node: int,
+                rest: list[tuple[int, str]], parts: list[bytes], above: list[tuple[int, str]],
+                ) -> tuple[int, str, int, list[tuple[int, str]]]:
+        """Where ``text`` leaves the cached chain at ``node``: the part it has in common
+        with the text that last left it there, up to their last word cut before the next
+        cut, is a segment (the prefix cache's docstring). Found: its ids join ``parts``
+        and the walk goes on below it; else the cut is added, so that the part is
+        tokenized and cached on its own. (start, sentinel, node, rest) from there."""
+        words = self._words
+        assert words is not None
+        shared = cache.shared_after(node, text, start, 2 * words.stride)
+        limit = (rest[0][0] if rest else len(text)) - 1
+        # A part cut here before, if this text has it too (the longest first).
+        for length in sorted(cache.branches(node), reverse=True):
+            cut = start + length
+            if cut <= limit and words.is_cut(text, cut) and (seg := cache.segment(key := (node, text[start:cut]))):
+                break
+        else:
+            cut = words.last_within(text, start, min(start + shared, limit)) if shared else None
+            if cut is None:
+                return start, sentinel, node, rest
+            cache.add_branch(node, cut - start)
+            return start, sentinel, node, [(cut, ""), *rest]
+        parts.append(seg.ids)
+        above.append(key)
+        found, node, more, keys = cache.longest(text, rest, seg.node, cut, above)
+        parts.extend(more)
+        above.extend(keys)
+        start, sentinel = rest[found - 1] if found else (cut, "")
+        return start, sentinel, node, rest[found:]
 
     def _encode_chunks(self, text: str, chunks: list[tuple[int, int, list[tuple[int, str]]]],
                        sentinel: str) -> list[tuple[list[int], list[tuple[int, int]] | None]]:

@@ -395,6 +395,37 @@ def test_a_long_document_asked_again_is_tokenized_from_its_cached_words(model_di
     assert tok.cache.stats.hit_tokens - before >= len(tok.fresh_ids(doc)) * (1 - 2 * 2048 / len(doc))
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(WORDISH, st.lists(WORDISH, min_size=2, max_size=5))
+def test_questions_on_one_text_never_change_ids(cut_small, doc, questions) -> None:
+    """Texts that leave the cache where earlier ones did (one text, other endings): the
+    part they share is cut at its last word and cached; ids stay those of the whole."""
+    cut_small.cache = PrefixCache(1 << 20)
+    for q in questions:
+        text = "a document " + doc + " " + q
+        assert listed(cut_small.text_ids(text)) == cut_small.fresh_ids(text)
+    assert cut_small.cache.stats.fallbacks == 0
+
+
+def test_a_document_asked_many_questions_is_tokenized_up_to_its_end_from_the_cache(model_dir: Path) -> None:
+    import random
+
+    tok = LocalTokenizer.from_config(ModelTokenizerConfig(name="ds", tokenizer=model_dir))
+    rng = random.Random(5)
+    words = ["routing", "cache", "kafka", "replica", "token", "block", "prefix", "engine", "of", "the"]
+    doc = " ".join(rng.choice(words) for _ in range(3_000))
+    questions = [f" {first} " + " ".join(rng.choice(["why", "how", "does", "it", "route", "when"]) for _ in range(12)) + "?"
+                 for first in ("Why", "How", "Does", "When")]
+    doc_tokens = len(tok.fresh_ids(doc))
+    for n, q in enumerate(questions):
+        before = tok.cache.stats.hit_tokens
+        assert listed(tok.text_ids(doc + q)) == tok.fresh_ids(doc + q)
+        if n >= 2:  # the second left the cache where the first did: the document's end is a segment since
+            assert tok.cache.stats.hit_tokens - before >= doc_tokens - 1
+        else:  # the first two tokenize the document's last stride
+            assert tok.cache.stats.hit_tokens - before < doc_tokens - 100
+
+
 def _trained(pre_tokenizer, normalizer=None):
     """A small BPE trained here with ``pre_tokenizer``: the rule is the pre-tokenizer's,
     whatever the vocabulary."""
