@@ -18,6 +18,9 @@ after any router's name runs four of its processes, the replayer sending to them
 (a plain round-robin balancer), for the peers as for kvstream; ``-approx`` after a
 kvstream router runs it with no bridge at all (the engines given in
 ``[[gateway.workers]]``: routed by the blocks it routed there alone, approximate mode);
+``-socket`` (after ``-approx``, before ``-4-replicas``) runs kvstream's replicas on
+listening sockets the bench holds and passes them, as systemd socket activation does
+(a restart then refuses no connection; the peers have no such mode);
 ``vllm-router-kv_aware`` (fed every engine's ZMQ KV events), ``vllm-router-cache_aware``,
 ``sglang-router-cache_aware`` (pinned, bench.peers) and ``round_robin`` (the replayer
 sending to the engines in turn). Prompts are text for every router.
@@ -110,6 +113,7 @@ ROUTERS = ("kvstream-kv", "kvstream-ttft", "kvstream-ttft-4-replicas", "vllm-rou
 TRACES = ("conversation", *SHAPES)
 _REPLICAS = "-4-replicas"
 _APPROX = "-approx"
+_SOCKET = "-socket"
 #: The figures of a run whose medians are reported (the rest are the last run's).
 _MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "requests_per_s",
                 "cached_token_share", "shed_rate", "failed", "engine_ttft_mean_ms", "router_cpu_s",
@@ -130,20 +134,23 @@ class RouterSpec:
     replicas: int = 1
     #: kvstream without bridges: the engines given statically, routed by predictions alone.
     approx: bool = False
+    #: kvstream's replicas serve sockets the bench holds (systemd socket activation).
+    socket: bool = False
 
     @classmethod
     def parse(cls, name: str) -> RouterSpec:
         if name == "round_robin":
             return cls(name, "round_robin")
         base, replicas = (name[: -len(_REPLICAS)], 4) if name.endswith(_REPLICAS) else (name, 1)
+        base, held = (base[: -len(_SOCKET)], True) if base.endswith(_SOCKET) else (base, False)
         base, approx = (base[: -len(_APPROX)], True) if base.endswith(_APPROX) else (base, False)
         if base in ("kvstream-kv", "kvstream-ttft"):
-            return cls(name, "kvstream", base.rpartition("-")[2], replicas, approx)
+            return cls(name, "kvstream", base.rpartition("-")[2], replicas, approx, held)
         peer, _, policy = base.rpartition("-")
-        if not approx and policy in PEER_POLICIES.get(peer, ()):
+        if not approx and not held and policy in PEER_POLICIES.get(peer, ()):
             return cls(name, peer, policy, replicas)
         raise click.ClickException(
-            f"unknown router {name!r}: kvstream-kv or kvstream-ttft (with -approx), a peer and its policy "
+            f"unknown router {name!r}: kvstream-kv or kvstream-ttft (with -approx, -socket), a peer and its policy "
             f"({', '.join(f'{p}-{q}' for p, qs in PEER_POLICIES.items() for q in qs)}) or round_robin, "
             f"each with {_REPLICAS} for four processes"
         )
@@ -230,8 +237,8 @@ def front(router: str, engines: list[fleet.Engine], bootstrap: str, work: Path, 
         else:
             bridges = [fleet.start_bridge(e, bootstrap, prefix) for e in engines]
             stack.callback(fleet.stop_all, bridges)
-        replicas = [fleet.Replica(str(n), bootstrap, prefix, spec.policy, work / f"{prefix}{n}", scale.tokenizer, static)
-                    for n in range(spec.replicas)]
+        replicas = [fleet.Replica(str(n), bootstrap, prefix, spec.policy, work / f"{prefix}{n}", scale.tokenizer, static,
+                                  held=spec.socket) for n in range(spec.replicas)]
         for r in replicas:
             r.start()
             stack.callback(r.stop)
@@ -275,7 +282,7 @@ def _trace_requests(trace: str, path: Path | None, count: int, speed: float) -> 
 @click.option("--kill-engine/--no-kill-engine", default=True, show_default=True,
               help="Also run kvstream-kv at the heaviest load with engine 1 killed mid-run.")
 @click.option("--routers", default=",".join(ROUTERS), show_default=True,
-              help="Comma-separated router names (the module's help lists the forms: -4-replicas, -approx).")
+              help="Comma-separated router names (the module's help lists the forms: -4-replicas, -approx, -socket).")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The conversation trace's file (default: the Mooncake trace beside the repository).")
 @click.option("--pd", "pd_text", metavar="P:D",

@@ -51,6 +51,33 @@ def gateway_for(replica: Replica, options: GatewayOptions) -> Gateway | None:
     return Gateway(replica, directory, options, local_tokenizers(options.models))
 
 
+#: The first socket a supervisor passes (systemd's SD_LISTEN_FDS_START).
+_LISTEN_FDS_START = 3
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket a supervisor passed to this process (systemd socket
+    activation: ``LISTEN_FDS`` sockets from fd 3, ``LISTEN_PID`` naming this process), or
+    None. The variables are taken out of the environment, as sd_listen_fds(3) does. A
+    supervisor holds the socket while the router restarts, so a connection that comes
+    meanwhile waits in its backlog and is served, instead of being refused."""
+    fds, pid = os.environ.pop("LISTEN_FDS", None), os.environ.pop("LISTEN_PID", None)
+    os.environ.pop("LISTEN_FDNAMES", None)
+    if fds is None or pid != str(os.getpid()):  # none, or meant for another process
+        return None
+    if fds != "1":
+        raise click.ClickException(f"LISTEN_FDS={fds}: kvstream router serves on exactly one passed socket")
+    try:
+        sock = socket.socket(fileno=_LISTEN_FDS_START)
+    except OSError as exc:
+        raise click.ClickException(f"LISTEN_FDS=1 but fd {_LISTEN_FDS_START} is not a socket: "
+                                   f"{os.strerror(exc.errno or 0).lower()}") from None
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM or not listening:
+        sock.detach()  # the supervisor's fd: not this process's to close
+        raise click.ClickException(f"the socket passed on fd {_LISTEN_FDS_START} (LISTEN_FDS) is not a listening TCP socket")
+    return sock
+
 
 class _Server(uvicorn.Server):
     """uvicorn, saying where it serves once its sockets are bound (the port a ``--port 0``
@@ -68,8 +95,8 @@ class _Server(uvicorn.Server):
 @click.command("router")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
 @click.option("--bootstrap", help="Kafka bootstrap servers (default: the local broker).")
-@click.option("--host", help=f"HTTP bind address [{_SERVER.host}].")
-@click.option("--port", type=int, help=f"HTTP port [{_SERVER.port}].")
+@click.option("--host", help=f"HTTP bind address [{_SERVER.host}]; not used with a socket passed by systemd (LISTEN_FDS).")
+@click.option("--port", type=int, help=f"HTTP port [{_SERVER.port}]; not used with a socket passed by systemd (LISTEN_FDS).")
 @click.option("--snapshot-dir", type=click.Path(file_okay=False, path_type=Path), help="Where snapshots live.")
 @click.option("--peer", "peer_url", help="Base URL of a peer replica to bootstrap from.")
 @click.option("--token", help="Bearer token for every scope (visible in ps: prefer --token-file or KVSTREAM_REPLICA__TOKEN).")
@@ -95,7 +122,8 @@ def router(
     Tokens by scope (client, operator, peer), TLS and the HTTP limits are settings
     ([replica] in TOML, KVSTREAM_REPLICA__* in the environment); the OpenAI gateway's
     are [gateway] and its workers [[gateway.workers]] (KVSTREAM_GATEWAY__*); see
-    docs/OPERATIONS.md and the README."""
+    docs/OPERATIONS.md and the README. Under systemd socket activation (LISTEN_FDS) it
+    serves the socket systemd holds, which refuses no connection while it restarts."""
     try:
         settings = load_settings(config_file, bootstrap=bootstrap, **logging_flags())
     except SettingsError as exc:
@@ -116,9 +144,11 @@ def router(
     except TokenError as exc:
         raise click.ClickException(str(exc)) from None
     r = settings.replica
-    if scoped_tokens.open and not is_loopback(r.host) and not r.allow_open_bind:
+    inherited = inherited_socket()
+    host = inherited.getsockname()[0] if inherited is not None else r.host
+    if scoped_tokens.open and not is_loopback(host) and not r.allow_open_bind:
         raise click.ClickException(
-            f"refusing to serve {r.host} (not loopback) without a token: set KVSTREAM_REPLICA__TOKEN "
+            f"refusing to serve {host} (not loopback) without a token: set KVSTREAM_REPLICA__TOKEN "
             "or token_file (or per scope: client_, operator_, peer_token), or --allow-open-bind"
         )
     limits = http_limits(settings)
@@ -135,7 +165,7 @@ def router(
     # Bound before the replica starts: a taken port is one line, not a replica that
     # recovers, says it is ready, and then fails.
     try:
-        sock = socket.create_server((r.host, r.port), family=socket.AF_INET6 if ":" in r.host else socket.AF_INET)
+        sock = inherited if inherited is not None else socket.create_server((r.host, r.port), family=socket.AF_INET6 if ":" in r.host else socket.AF_INET)
     except OSError as exc:
         raise click.ClickException(
             f"cannot serve on {r.host}:{r.port}: {os.strerror(exc.errno or 0).lower()} (is another process using the port? --port)"

@@ -45,6 +45,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,7 +56,7 @@ import click
 import httpx
 import numpy as np
 
-from kvstream.tools.procs import ManagedProcess, free_port, free_port_run, wait_http
+from kvstream.tools.procs import HOST, ManagedProcess, free_port, free_port_run, wait_http
 from kvstream.tools.tokenizer_file import TokenizerFetchError, deepseek_tokenizer
 from kvstream.tools.simulate.trace import MOONCAKE_TOKENS_PER_ID, Request, TraceOptions, read_mooncake
 
@@ -336,8 +337,12 @@ class Replica:
     #: Engines given in ``[[gateway.workers]]`` (each with the blocks it keeps cached),
     #: for a fleet without bridges: routed by predicted blocks alone (approximate mode).
     static: tuple[tuple[Engine, int], ...] = ()
+    #: Serve a listening socket this object holds across restarts, passed as systemd
+    #: socket activation passes it (connections wait while the replica restarts).
+    held: bool = False
     port: int = field(default_factory=free_port)
     proc: ManagedProcess | None = None
+    _listening: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -363,7 +368,10 @@ class Replica:
             "KVSTREAM_ROUTER__BLOCK_SIZE": "16",
             "KVSTREAM_REPLICA__SNAPSHOT_EVERY_S": "2",
         })
-        self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart)
+        if self.held and self._listening is None:
+            self._listening = socket.create_server((HOST, self.port), backlog=2048)
+        self.proc = ManagedProcess.start(f"replica-{self.name}", cmd, self.port, env=env, restart=restart,
+                                         listening=self._listening)
 
     def wait_ready(self, workers: int, timeout: float = 90.0) -> float:
         """Seconds until /readyz answers 200 and the gateway knows ``workers`` workers."""
@@ -397,6 +405,9 @@ class Replica:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
 
 
 def stop_all(procs: object) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -85,6 +86,24 @@ def _install_handlers() -> None:
                 signal.signal(sig, _exit_on)
 
 
+#: What systemd does for a socket-activated service (as ``systemd-socket-activate``): the
+#: listening socket on fd 3, LISTEN_FDS and LISTEN_PID naming the process that then execs
+#: the server (argv: the socket's fd here, LISTEN_FDS, the command).
+_ACTIVATE = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "if fd != 3:\n    os.dup2(fd, 3)\n    os.close(fd)\n"
+    "os.environ.update(LISTEN_FDS=sys.argv[2], LISTEN_PID=str(os.getpid()))\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def socket_activated(cmd: Sequence[str], fd: int, fds: str = "1") -> list[str]:
+    """``cmd`` started as systemd starts a socket-activated service with the socket ``fd``
+    (run it with ``pass_fds=(fd,)``; ``fds``: the LISTEN_FDS it is told)."""
+    return [sys.executable, "-c", _ACTIVATE, str(fd), fds, *cmd]
+
+
 @dataclass(eq=False)
 class ManagedProcess:
     """A started server: its own process group (the leader's pid), serving on ``port``."""
@@ -98,13 +117,16 @@ class ManagedProcess:
     @classmethod
     def start(
         cls, name: str, cmd: Sequence[str], port: int, env: Mapping[str, str] | None = None,
-        extra_ports: Sequence[int] = (), restart: bool = False,
+        extra_ports: Sequence[int] = (), restart: bool = False, listening: socket.socket | None = None,
     ) -> ManagedProcess:
         """Run ``cmd`` (which will listen on ``port`` and ``extra_ports``); refused when a
         port is taken, unless ``restart``: the same server again on its own ports, which
         its killed predecessor's connections hold in TIME_WAIT for a while (servers bind
-        with SO_REUSEADDR)."""
-        for p in () if restart else (port, *extra_ports):
+        with SO_REUSEADDR). ``listening``: the socket on ``port``, held by the caller and
+        passed to ``cmd`` as systemd socket activation passes it (socket_activated)."""
+        if listening is not None:
+            cmd = socket_activated(cmd, listening.fileno())
+        for p in () if restart or listening is not None else (port, *extra_ports):
             if port_taken(p):
                 raise click.ClickException(f"{name}: port {p} on {HOST} is taken")
         _install_handlers()
@@ -113,6 +135,7 @@ class ManagedProcess:
             popen = subprocess.Popen(
                 list(cmd), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
                 start_new_session=True, env=None if env is None else {**os.environ, **env},
+                pass_fds=() if listening is None else (listening.fileno(),),
             )
         except OSError as exc:
             os.unlink(log)

@@ -45,10 +45,11 @@ def test_bench_fleet_quick(kafka_bootstrap: str) -> None:
 @pytest.mark.timeout(900)
 def test_bench_fleet_approx_replicas_and_restarts(kafka_bootstrap: str) -> None:
     """kvstream with no bridge at all (approximate mode: routed by what it routed) keeps
-    at least round-robin's cached share; a peer runs as four processes; and with
-    --restart each router has one process killed at half and started again: what was
-    sent to it meanwhile fails (counted), the requests after it are served."""
-    routers = ("kvstream-kv-approx", "round_robin", "sglang-router-cache_aware-4-replicas")
+    at least round-robin's cached share, here on a socket the bench holds and passes
+    (systemd socket activation); a peer runs as four processes; and with --restart each
+    router has one process killed at half and started again: what was sent to it
+    meanwhile fails (counted), the requests after it are served."""
+    routers = ("kvstream-kv-approx-socket", "round_robin", "sglang-router-cache_aware-4-replicas")
     proc = subprocess.run(
         [KVSTREAM, "bench", "fleet", "--quick", "--json", "--bootstrap", kafka_bootstrap, "--replayer", "sdk",
          "--routers", ",".join(routers), "--loads", "1", "--restart"],
@@ -57,9 +58,9 @@ def test_bench_fleet_approx_replicas_and_restarts(kafka_bootstrap: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["traces"]["conversation"]["routers"]
     assert set(rows) == {*routers, *(f"{r}-restarted" for r in routers if r != "round_robin")}
-    approx, rr = rows["kvstream-kv-approx"]["1x"], rows["round_robin"]["1x"]
+    approx, rr = rows["kvstream-kv-approx-socket"]["1x"], rows["round_robin"]["1x"]
     assert approx["failed"] == 0 and approx["cached_token_share"] >= rr["cached_token_share"] > 0
-    for name in ("kvstream-kv-approx-restarted", "sglang-router-cache_aware-4-replicas-restarted"):
+    for name in ("kvstream-kv-approx-socket-restarted", "sglang-router-cache_aware-4-replicas-restarted"):
         row = rows[name]["1x"]
         assert row["restart"]["down_s"] > 0, name
         assert row["halves"]["second"]["failed"] < row["halves"]["second"]["requests"], name
