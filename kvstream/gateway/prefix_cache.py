@@ -44,19 +44,30 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import tokenizers
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Segment:
     node: int
     #: Packed native u32.
     ids: bytes
     nbytes: int
+    #: The text that last followed it (PrefixCache.shared_after), counted in the cache's
+    #: bytes beside ``nbytes``.
+    after: str = ""
+    #: The lengths of the segments cut below it where texts diverged, latest first (a
+    #: few: a document's end, a common first word of its questions).
+    branches: list[int] = field(default_factory=list)
+
+
+#: A segment's key: the node of the segment before it and its exact text (where a key may
+#: be None, None is the root).
+Key = tuple[int, str]
 
 
 @dataclass(slots=True)
@@ -234,14 +245,9 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.stats = CacheStats()
-        self._entries: OrderedDict[tuple[int, str], _Segment] = OrderedDict()
-        #: Node → the text that last followed it (shared_after), counted in ``bytes``.
-        self._after: dict[int, str] = {}
-        #: The nodes of the segments held (the root, 0, is always there).
-        self._live: set[int] = set()
-        #: Node → the lengths of the segments cut below it where texts diverged, latest
-        #: first (a few: a document's end, a common first word of its questions).
-        self._branches: dict[int, list[int]] = {}
+        self._entries: OrderedDict[Key, _Segment] = OrderedDict()
+        #: Node 0, before every chain's first segment (never evicted).
+        self._root = _Segment(0, b"", 0)
         self._lock = threading.Lock()
         # Node ids are never reused: a segment under an evicted parent is unreachable,
         # never attached to another prefix.
@@ -251,12 +257,12 @@ class PrefixCache:
         return len(self._entries)
 
     def longest(self, text: str, cuts: list[tuple[int, str]], node: int = 0, start: int = 0,
-                above: list[tuple[int, str]] | None = None) -> tuple[int, int, list[bytes], list[tuple[int, str]]]:
+                above: list[Key] | None = None) -> tuple[int, int, list[bytes], list[Key]]:
         """(cuts matched, node of the last, their packed ids, their keys) for the longest
         cached prefix, from ``node`` at offset ``start`` (the root: the text's start;
         else ``above`` are the keys of the chain down to ``node``)."""
         ids: list[bytes] = []
-        keys: list[tuple[int, str]] = []
+        keys: list[Key] = []
         with self._lock:
             self.stats.lookups += 1
             for end, _ in cuts:
@@ -272,39 +278,42 @@ class PrefixCache:
             self.stats.hit_tokens += sum(map(len, ids)) // 4
         return len(keys), node, ids, keys
 
-    def shared_after(self, node: int, text: str, start: int, keep: int) -> int:
-        """How many characters of ``text`` from ``start`` the text that last followed
-        ``node`` had in common with it; ``text[start:start + keep]`` follows it now."""
+    def shared_after(self, at: Key | None, text: str, start: int, keep: int) -> int:
+        """How many characters of ``text`` from ``start`` the text that last followed the
+        segment ``at`` had in common with it; ``text[start:start + keep]`` follows it now."""
         tail = text[start:start + keep]
         with self._lock:
-            old = self._remember(node, tail)
+            old = self._remember(at, tail)
             self._evict()
         return _common(old, tail) if old else 0
 
-    def _remember(self, node: int, tail: str) -> str:
-        """``tail`` follows ``node`` now; what followed it before ("" if nothing)."""
-        if node and node not in self._live:
-            return ""  # evicted meanwhile: nothing hangs below it any more
-        old = self._after.get(node, "")
-        self._after[node] = tail
+    def _held(self, at: Key | None) -> _Segment | None:
+        return self._root if at is None else self._entries.get(at)
+
+    def _remember(self, at: Key | None, tail: str) -> str:
+        """``tail`` follows the segment ``at`` now; what followed it before ("" if
+        nothing, or if the segment was evicted meanwhile)."""
+        seg = self._held(at)
+        if seg is None:
+            return ""
+        old, seg.after = seg.after, tail
         self.bytes += sys.getsizeof(tail) - (sys.getsizeof(old) if old else 0)
         return old
 
-    def branches(self, node: int) -> list[int]:
-        """The lengths of the segments cut below ``node`` where texts diverged."""
+    def branches(self, at: Key | None) -> list[int]:
+        """The lengths of the segments cut below the segment ``at`` where texts diverged."""
         with self._lock:
-            return list(self._branches.get(node, ()))
+            seg = self._held(at)
+            return list(seg.branches) if seg is not None else []
 
-    def add_branch(self, node: int, length: int) -> None:
+    def add_branch(self, at: Key | None, length: int) -> None:
         with self._lock:
-            if node and node not in self._live:
-                return
-            known = self._branches.setdefault(node, [])
-            if length not in known:
-                known.insert(0, length)
-                del known[MAX_BRANCHES:]
+            seg = self._held(at)
+            if seg is not None and length not in seg.branches:
+                seg.branches.insert(0, length)
+                del seg.branches[MAX_BRANCHES:]
 
-    def segment(self, key: tuple[int, str]) -> _Segment | None:
+    def segment(self, key: Key) -> _Segment | None:
         """The segment under ``key``, or None (a longest() from it touches the chain)."""
         with self._lock:
             seg = self._entries.get(key)
@@ -313,7 +322,7 @@ class PrefixCache:
                 self.stats.hit_tokens += len(seg.ids) // 4
             return seg
 
-    def _touch(self, chain: list[tuple[int, str]]) -> None:
+    def _touch(self, chain: list[Key]) -> None:
         # A prefix's segments become the most recent, the first one last of all: the LRU
         # then evicts the ends of chains before their beginnings, never orphaning the rest.
         for key in reversed(chain):
@@ -324,13 +333,13 @@ class PrefixCache:
         with self._lock:
             self.stats.fallbacks += 1
 
-    def insert(self, parent: int, pieces: list[tuple[str, bytes]], above: list[tuple[int, str]],
+    def insert(self, parent: int, pieces: list[tuple[str, bytes]], above: list[Key],
                last_on: str = "") -> None:
         """Add a chain of (segment text, packed ids) under ``parent``, the end of the chain
         ``above`` (the keys of the segments before it); ``last_on``: the text from the
         last piece on, which a next text that leaves the chain before that piece (its
         end is where texts diverge) shares with it (shared_after)."""
-        chain: list[tuple[int, str]] = []
+        chain: list[Key] = []
         with self._lock:
             for n, (text, ids) in enumerate(pieces):
                 key = (parent, text)
@@ -342,11 +351,10 @@ class PrefixCache:
                         break
                     seg = _Segment(next(self._next), ids, nbytes)
                     self._entries[key] = seg
-                    self._live.add(seg.node)
                     self.bytes += nbytes
                     self.stats.inserted += 1
                 if n == len(pieces) - 1 and last_on:
-                    self._remember(parent, last_on)
+                    self._remember(chain[-1] if chain else above[-1] if above else None, last_on)
                 chain.append(key)
                 parent = seg.node
             self._touch(above + chain)
@@ -355,15 +363,8 @@ class PrefixCache:
     def _evict(self) -> None:
         while self.bytes > self.max_bytes:
             if not self._entries:  # the root's remembered text alone is over the budget
-                self._forget(0)
+                self._remember(None, "")
                 break
             _, old = self._entries.popitem(last=False)
-            self.bytes -= old.nbytes
-            self._live.discard(old.node)
-            self._branches.pop(old.node, None)
-            self._forget(old.node)
+            self.bytes -= old.nbytes + (sys.getsizeof(old.after) if old.after else 0)
             self.stats.evicted += 1
-
-    def _forget(self, node: int) -> None:
-        if (tail := self._after.pop(node, None)) is not None:
-            self.bytes -= sys.getsizeof(tail)

@@ -300,10 +300,11 @@ class LocalTokenizer(PromptTokenizer):
         tokenized and cached on its own. (start, sentinel, node, rest) from there."""
         words = self._words
         assert words is not None
-        shared = cache.shared_after(node, text, start, 2 * words.stride)
+        at = above[-1] if above else None  # the segment of ``node`` (None: the root)
+        shared = cache.shared_after(at, text, start, 2 * words.stride)
         limit = (rest[0][0] if rest else len(text)) - 1
         # A part cut here before, if this text has it too (the longest first).
-        for length in sorted(cache.branches(node), reverse=True):
+        for length in sorted(cache.branches(at), reverse=True):
             cut = start + length
             if cut <= limit and words.is_cut(text, cut) and (seg := cache.segment(key := (node, text[start:cut]))):
                 break
@@ -311,7 +312,7 @@ class LocalTokenizer(PromptTokenizer):
             cut = words.last_within(text, start, min(start + shared, limit)) if shared else None
             if cut is None:
                 return start, sentinel, node, rest
-            cache.add_branch(node, cut - start)
+            cache.add_branch(at, cut - start)
             return start, sentinel, node, [(cut, ""), *rest]
         parts.append(seg.ids)
         above.append(key)

@@ -400,11 +400,13 @@ def test_a_long_document_asked_again_is_tokenized_from_its_cached_words(model_di
 def test_questions_on_one_text_never_change_ids(cut_small, doc, questions) -> None:
     """Texts that leave the cache where earlier ones did (one text, other endings): the
     part they share is cut at its last word and cached; ids stay those of the whole."""
-    cut_small.cache = PrefixCache(1 << 20)
-    for q in questions:
-        text = "a document " + doc + " " + q
-        assert listed(cut_small.text_ids(text)) == cut_small.fresh_ids(text)
-    assert cut_small.cache.stats.fallbacks == 0
+    for budget in (1 << 20, 1_500):  # ample, and so small that it evicts all the time
+        cut_small.cache = PrefixCache(budget)
+        for q in questions:
+            text = "a document " + doc + " " + q
+            assert listed(cut_small.text_ids(text)) == cut_small.fresh_ids(text)
+            assert cut_small.cache.bytes <= budget
+        assert cut_small.cache.stats.fallbacks == 0
 
 
 def test_a_document_asked_many_questions_is_tokenized_up_to_its_end_from_the_cache(model_dir: Path) -> None:
