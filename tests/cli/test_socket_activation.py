@@ -4,6 +4,7 @@ the router is down waits in the socket's backlog and is served by the next one."
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from kvstream.settings import Settings
 from kvstream.tools.procs import socket_activated
-from tests.faults.helpers import KVSTREAM, ROOT, router_env, stop_process, wait_http
+from tests.faults.helpers import KVSTREAM, ROOT, free_port, router_env, stop_process, wait_http
 
 
 def _activated(fd: int, args: list[str], env: dict[str, str], log: Path, fds: str = "1") -> subprocess.Popen:
@@ -51,6 +52,38 @@ def test_a_request_made_while_the_router_restarts_is_served_by_the_next_one(kafk
                 stop_process(second)
     assert second.returncode == 0, (tmp_path / "second.log").read_text()
     assert "serving" in (tmp_path / "second.log").read_text()
+
+
+@pytest.mark.kafka
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd's systemd-socket-activate is not installed")
+def test_systemd_socket_activate_starts_the_router_on_a_first_connection_and_it_is_served(
+        kafka_topics: Settings, tmp_path: Path) -> None:
+    """systemd's own tool (not this suite's imitation): it listens, and on the first
+    connection execs the router with the socket and LISTEN_FDS / LISTEN_PID /
+    LISTEN_FDNAMES set as systemd sets them; that first request is answered."""
+    port = free_port()
+    env = router_env(kafka_topics)
+    passed = [f for k in env if k.startswith("KVSTREAM_") or k in ("PATH", "HOME") for f in ("-E", k)]
+    with open(tmp_path / "router.log", "ab") as out:
+        proc = subprocess.Popen(
+            ["systemd-socket-activate", "-l", f"127.0.0.1:{port}", *passed, str(KVSTREAM), "router",
+             "--bootstrap", str(kafka_topics.bootstrap), "--snapshot-dir", str(tmp_path / "snapshots")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+        )
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # until systemd-socket-activate listens (it starts nothing before)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "router.log").read_text()
+                time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=60).status_code == 200
+        wait_http(f"http://127.0.0.1:{port}/readyz", 60, proc)
+    finally:
+        stop_process(proc)
+    assert proc.returncode == 0, (tmp_path / "router.log").read_text()
 
 
 def test_a_passed_fd_that_is_not_one_listening_tcp_socket_is_refused_with_the_reason(tmp_path: Path) -> None:
