@@ -5,7 +5,10 @@ snapshot is due, each step captures ONE partition (its offset, log clock and the
 on it, exporting only the workers changed since the last snapshot) and hands it to a
 writer thread; after the last partition the writer commits the generation atomically.
 Since every worker lives on one partition, each captured part is consistent with its
-own offset, whatever the other partitions did in between.
+own offset, whatever the other partitions did in between. One generation is in flight at
+a time: the next begins once the last is committed (or abandoned), because a worker it
+does not rewrite points at the blob of the last committed one, and a generation still
+being written may have taken that worker's newer state off the dirty set.
 
 A failed write (disk full, an I/O error) abandons its generation whole: the store is
 reopened (RocksDB refuses every write after one failed until then), the next generation
@@ -90,6 +93,8 @@ class Snapshotter:
         self._records += n
 
     def due(self) -> bool:
+        if not self._settled():
+            return False
         if self._forced:
             return True
         if self._failed.is_set():
@@ -121,6 +126,7 @@ class Snapshotter:
         Call from the thread that owns the fold (or with the ingest stopped)."""
         self._forced = True
         if self._meta is None:
+            self._wait(self._settled, timeout)
             self._begin()
         gen = self._meta.gen  # type: ignore[union-attr]
         while self._meta is not None:
@@ -129,7 +135,7 @@ class Snapshotter:
         return gen
 
     def _begin(self) -> None:
-        # The writer may not have committed the previous generation yet: count locally.
+        # An abandoned generation's number is not in the store: count locally too.
         gen = max(self.store.next_gen(), (self.base.gen + 1) if self.base else 1, self._last_gen + 1)
         with self._committed:  # against _write_failed: this generation is full or abandoned
             self._last_gen = gen
@@ -222,17 +228,29 @@ class Snapshotter:
             self._failed.set()
             self._committed.notify_all()
 
+    def _settled(self) -> bool:
+        """Whether the last generation begun is committed or abandoned."""
+        with self._committed:
+            return self._last_gen <= max(self.base.gen if self.base else 0, self._bad_gen)
+
     def wait_committed(self, gen: int, timeout: float) -> None:
         """Wait until generation ``gen`` (or a newer one) is committed; SnapshotError if
         it failed, TimeoutError if it takes longer than ``timeout``."""
+
+        def committed() -> bool:
+            if self._bad_gen >= gen:
+                raise SnapshotError(f"snapshot generation {gen} failed: {self.error}")
+            return self.base is not None and self.base.gen >= gen
+
+        self._wait(committed, timeout, f"snapshot generation {gen} not committed in {timeout}s")
+
+    def _wait(self, done, timeout: float, what: str = "") -> None:
         deadline = time.monotonic() + timeout
         with self._committed:
-            while self.base is None or self.base.gen < gen:
-                if self._bad_gen >= gen:
-                    raise SnapshotError(f"snapshot generation {gen} failed: {self.error}")
+            while not done():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"snapshot generation {gen} not committed in {timeout}s")
+                    raise TimeoutError(what or f"the snapshot in flight not settled in {timeout}s")
                 self._committed.wait(left)
 
     def close(self, final: bool = False, attempts: int = 3) -> bool:

@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,6 +223,54 @@ def test_failed_blob_write_never_leaves_a_stale_pointer(tmp_path: Path) -> None:
     assert not skipped and got == state(fold)
     blocks = {k.worker_id: sum(len(p.block_hashes) for p in fold.router.export_worker(k.worker_id)) for k in fold.router.workers()}
     assert blocks[1] == 2000
+
+
+class GatedStore(SnapshotStore):
+    """A slow disk: blob writes wait until the gate opens (``writing`` says one does)."""
+
+    gate = threading.Event()
+    writing = threading.Event()
+
+    def write_blob(self, worker: int, gen: int, blob: bytes) -> BlobRef:
+        self.writing.set()
+        assert self.gate.wait(30)
+        return super().write_blob(worker, gen, blob)
+
+
+def test_a_generation_begun_while_the_last_is_written_points_at_no_stale_blob(tmp_path: Path) -> None:
+    """Generation 2 rewrites worker 1 and is still being written when worker 2 changes:
+    generation 3 must not point worker 1 at generation 1's blob (its state before 2).
+    It used to, and the newest generation was then refused at load as a stale blob."""
+    fold = new_fold()
+    w, other = FakeWorkerLog(1, lease_ms=10**9), FakeWorkerLog(2, lease_ms=10**9)
+    rng = random.Random(2)
+    tokens = [rng.randrange(50_000) for _ in range(16 * 200)]
+    fold.apply_record(0, 0, 1, w.batch(w.cleared(), w.stored(tokens[: 16 * 100])))
+    fold.apply_record(1, 0, 1, other.batch(other.cleared(), other.stored(tokens[:32])))
+    store = GatedStore(tmp_path / "s")
+    store.gate = threading.Event()
+    store.gate.set()
+    snap = Snapshotter(store, fold, "events", "tid", 2, 1, 0)
+    snap.snapshot_now()
+    store.gate.clear()
+    store.writing = threading.Event()
+    fold.apply_record(0, 1, 2, w.batch(w.stored(tokens, start_block=100)))
+    snap.records_applied(1)
+    snap.step()
+    snap.step()  # generation 2 captured whole
+    assert store.writing.wait(30)  # and its blob waits at the gate
+    fold.apply_record(1, 1, 3, other.batch(other.stored(tokens[:64], start_block=2)))
+    snap.records_applied(1)
+    threading.Timer(1.0, store.gate.set).start()  # the old code's steps filled the queue
+    snap.step()
+    snap.step()
+    assert snap.close(final=True)
+    store.close()
+    store = SnapshotStore(tmp_path / "s")
+    gen, got, skipped = restored_state(store)
+    store.close()
+    assert not skipped and got == state(fold)
+    assert gen == 3
 
 
 def mount_tmpfs(path: Path, size: str) -> bool:
