@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,10 +26,11 @@ from typing import Any
 import aiohttp
 import click
 
+from bench.common import emit, json_option
 from kvstream.emulator.blocks import BlockPool
 from kvstream.emulator.options import EmulatorOptions
 from kvstream.emulator.scheduler import EngineRequest, Scheduler
-from bench.common import emit, json_option
+from kvstream.tools.procs import free_port
 
 
 def _workload(n: int, prompt: int, shared: int) -> list[list[int]]:
@@ -80,14 +80,8 @@ async def _live(url: str, prompts: list[list[int]], out: int, stream: bool) -> l
         return await asyncio.gather(*[one(session, p) for p in prompts])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(speed: float) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(Path(sys.executable).with_name("kvstream")), "emulate", "--port", str(port), "--speed", str(speed)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"

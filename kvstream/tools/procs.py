@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,24 +42,32 @@ def port_taken(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A loopback port that was free a moment ago (see :func:`free_port_run`)."""
+    return free_port_run(1)
 
 
 def free_port_run(n: int) -> int:
     """The first of ``n`` consecutive loopback ports that were free a moment ago (an
-    engine's DP ranks each bind its endpoint's port + its rank)."""
-    while True:
-        base = free_port()
+    engine's DP ranks each bind its endpoint's port + its rank), below the kernel's
+    ephemeral range: a port in it can be taken meanwhile by any outgoing connection,
+    and a client probing it before the server listens can be given that very port as
+    its own, connect to itself and read its request back as the answer."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = 10_000 if low - n > 20_000 else 1024
+    rng = random.Random()
+    for _ in range(10_000):
+        base = rng.randrange(first, low - n)
         with contextlib.ExitStack() as held:
             try:
-                for p in range(base + 1, base + n):
+                for p in range(base, base + n):
                     held.enter_context(socket.socket()).bind((HOST, p))
             except OSError:
                 continue
         return base
+    raise RuntimeError(f"no {n} consecutive free loopback ports below {low}")
 
 
 def _stop_all() -> None:

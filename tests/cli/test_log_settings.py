@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvstream.settings import Settings, SettingsError, load_settings
-from tests.faults.helpers import KVSTREAM, ROOT, free_port, router_env, stop_process, wait_http
+from kvstream.tools.procs import free_port
+from tests.faults.helpers import KVSTREAM, ROOT, router_env, stop_process, wait_http
 
 TOML = 'log_level = "warning"\nlog_format = "json"\n'
 

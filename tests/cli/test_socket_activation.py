@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvstream.settings import Settings
-from kvstream.tools.procs import socket_activated
-from tests.faults.helpers import KVSTREAM, ROOT, free_port, router_env, stop_process, wait_http
+from kvstream.tools.procs import free_port, socket_activated
+from tests.faults.helpers import KVSTREAM, ROOT, router_env, stop_process, wait_http
 
 
 def _activated(fd: int, args: list[str], env: dict[str, str], log: Path, fds: str = "1") -> subprocess.Popen:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import time
 import uuid
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvstream.tools.procs import free_port
 
 pytestmark = pytest.mark.docker
 
@@ -32,12 +33,6 @@ class Fleet:
     project: str
     token: str
     routers: tuple[str, str]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def eventually(check: Callable[[], object], what: str, deadline_s: float = DEADLINE_S) -> object:

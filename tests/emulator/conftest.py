@@ -19,8 +19,9 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from engines.conftest import free_ports
 from engines.engines import EngineKit, kit
+
+from kvstream.tools.procs import free_port_run
 
 KVSTREAM = str(Path(sys.executable).with_name("kvstream"))
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ class Emulator:
 
 def start_emulator(*args: str, ranks: int = 2) -> Emulator:
     """``ranks``: the DP ranks' room on the KV-event ports (rank r adds r to each)."""
-    base = free_ports(1 + 2 * ranks)  # HTTP, then the PUB and the ROUTER ports of each rank
+    base = free_port_run(1 + 2 * ranks)  # HTTP, then the PUB and the ROUTER ports of each rank
     events, replay = f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 1 + ranks}"
     cmd = [KVSTREAM, "emulate", "--port", str(base), "--kv-events-endpoint", events,
            "--kv-events-replay-endpoint", replay, *args]

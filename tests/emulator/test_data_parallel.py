@@ -14,9 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-from engines.conftest import eventually, free_ports
+from engines.conftest import eventually
 from engines.engines import EngineKit
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvstream.tools.procs import free_port
 
 from .conftest import KVSTREAM, Emulator, EventTap
 from .test_disagg import LEG, legs, routed
@@ -146,7 +148,7 @@ def test_nixl_prefill_ranks_name_their_engine(emulator_factory: Callable[..., Em
 
 
 def test_bootstrap_rooms_are_the_servers_and_name_the_rank(emulator_factory: Callable[..., Emulator]) -> None:
-    port = free_ports(1)
+    port = free_port()
     prefill = emulator_factory("--role", "prefill", "--handoff", "bootstrap", "--bootstrap-port", str(port),
                                "--data-parallel-size", "2")
     decode = emulator_factory("--role", "decode", "--handoff", "bootstrap", "--data-parallel-size", "2")

@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from engines.conftest import free_ports
 from engines.engines import EngineKit, wheel_source
 
 from kvstream.emulator import handoff
 from kvstream.emulator.errors import EmulatorConfigError
 from kvstream.emulator.options import EmulatorOptions
+from kvstream.tools.procs import free_port
 
 from .conftest import KVSTREAM, Emulator, EventTap, start_emulator, stop_emulator
 
@@ -250,7 +250,7 @@ async def legs(prefill: Emulator, decode: Emulator, body: dict[str, Any], *, dec
 
 
 def test_bootstrap_legs_at_once_and_decode_first(emulator_factory: Callable[..., Emulator]) -> None:
-    port = free_ports(1)
+    port = free_port()
     prefill, decode = bootstrap_pair(emulator_factory, port)
     for i, first_s in enumerate((0.0, 0.5)):  # the decode leg may come first: it waits for the room
         prompt = [t + 10_000 * i for t in PROMPT]  # each prefilled from scratch
@@ -267,7 +267,7 @@ def test_bootstrap_legs_at_once_and_decode_first(emulator_factory: Callable[...,
 
 def test_bootstrap_decode_fails_when_the_prefill_is_aborted_or_killed(
         emulator_factory: Callable[..., Emulator]) -> None:
-    port = free_ports(1)
+    port = free_port()
     prefill, decode = bootstrap_pair(emulator_factory, port)
     long = {"prompt": list(range(6000)), "max_tokens": 5}  # 6 s of prefill
     start = time.monotonic()
@@ -277,7 +277,7 @@ def test_bootstrap_decode_fails_when_the_prefill_is_aborted_or_killed(
     message = d.json()["error"]["message"]
     assert "KV transfer from bootstrap host 127.0.0.1" in message and "room 7 failed: HTTP 410" in message, message
     # A killed prefill engine: the decode leg fails at once, it does not hang.
-    other = free_ports(1)
+    other = free_port()
     doomed = start_emulator("--role", "prefill", "--handoff", "bootstrap", "--bootstrap-port", str(other), *SLOW)
     try:
         async def kill_during() -> tuple[httpx.Response | Exception, httpx.Response, float]:
@@ -295,7 +295,7 @@ def test_bootstrap_decode_fails_when_the_prefill_is_aborted_or_killed(
 
 
 def test_bootstrap_bad_fields_are_refused(emulator_factory: Callable[..., Emulator]) -> None:
-    port = free_ports(1)
+    port = free_port()
     for emu in bootstrap_pair(emulator_factory, port):
         for fields in ({"bootstrap_room": None}, {"bootstrap_port": "80"}, {"bootstrap_room": -1},
                        {"bootstrap_room": [1, 2]}, {"bootstrap_host": 1}, {"bootstrap_room": True}):

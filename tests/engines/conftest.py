@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import itertools
 import random
-import socket
 import threading
 import time
 import uuid
@@ -26,6 +25,7 @@ from kvstream.kafka.topics import ensure_topics
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.router.index import TierOverlap, WorkerKey
 from kvstream.settings import Settings, TopicSettings
+from kvstream.tools.procs import free_port_run
 from kvstream.worker.announce import register_synthetic
 from kvstream.worker.consolidator import Mode
 from kvstream.worker.engine_node import EngineNode, EngineNodeOptions
@@ -81,25 +81,6 @@ def env(kafka_bootstrap: str) -> Iterator[Env]:
             future.result(timeout=30)
 
 
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (the engines offset by DP rank)."""
-    for _ in range(200):
-        base = random.randrange(20_000, 60_000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 def eventually(fn: Callable[[], Any], expected: Any, timeout: float = WAIT_S) -> None:
     """Wait until ``fn()`` equals ``expected`` (asserting with the last value)."""
     deadline = time.monotonic() + timeout
@@ -135,7 +116,7 @@ class Rig:
         self.engine = engine
         self.worker_id = next(_ids)
         self.ranks = ranks
-        self.base = free_ports(2 * ranks)
+        self.base = free_port_run(2 * ranks)
         self.replay_base = self.base + ranks if replay else None
         self.publisher_kw = publisher_kw or {}
         self.pubs: list[Any] = []

@@ -17,9 +17,10 @@ from pathlib import Path
 import zmq
 
 from kvstream.router.index import TierOverlap
+from kvstream.tools.procs import free_port
 from kvstream.worker.zmq_bridge import Endpoint, Issue
 
-from .conftest import WAIT_S, Env, Rig, eventually, free_ports, tokens
+from .conftest import WAIT_S, Env, Rig, eventually, tokens
 from .engines import EngineKit
 from .test_bridge_restart import worker_cmd
 
@@ -130,7 +131,7 @@ def test_engine_restart_behind_a_forwarder(env: Env, engine: EngineKit) -> None:
     """The new engine's low numbers come through the same connection: they are not
     duplicates (their bytes differ from what was applied), the old blocks go."""
     r = Rig(env, engine)
-    port = free_ports(1)
+    port = free_port()
     fwd = Forwarder(f"tcp://127.0.0.1:{r.base}", port)
     bridge = replace(r.options.bridge, endpoints=(Endpoint(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{r.replay_base}"),))
     r.options = replace(r.options, bridge=bridge)

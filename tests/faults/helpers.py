@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +18,6 @@ from kvstream.replica.fold import LogFold
 from kvstream.replica.record import Record, read_record
 from kvstream.router import Router
 from kvstream.settings import FoldSettings, Settings
-
 from tests.replica.helpers import CODEC
 from tests.replica.test_snapshot import state
 
@@ -84,12 +82,6 @@ def agrees_with_log(replica, settings: Settings) -> LogFold:
     truth = reference_fold([r for r in read_log(settings) if r.offset < offsets.get(r.partition, 0)], settings.fold)
     assert mine == comparable(truth), f"{replica.replica_id} differs from the reference fold"
     return truth
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_env(settings: Settings, **replica: object) -> dict[str, str]:

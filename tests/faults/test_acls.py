@@ -17,10 +17,17 @@ import uuid
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from tests.faults.helpers import ROOT, free_port
+from kvstream.tools.procs import free_port
+from tests.faults.helpers import ROOT
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.slow]
 

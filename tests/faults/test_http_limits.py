@@ -35,9 +35,16 @@ from kvstream.replica.peer import fetch_peer_snapshot, receive_snapshot, stream_
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import Snapshotter
 from kvstream.settings import Settings, TopicSettings
+from kvstream.tools.procs import free_port
 from kvstream.worker.announce import register_synthetic
-
-from tests.faults.helpers import KVSTREAM, ROOT, free_port, router_env, rss_mib, stop_process, wait_http
+from tests.faults.helpers import (
+    KVSTREAM,
+    ROOT,
+    router_env,
+    rss_mib,
+    stop_process,
+    wait_http,
+)
 from tests.replica.helpers import FakeWorkerLog, new_fold
 from tests.replica.raw_store import raw_keys
 

@@ -16,9 +16,9 @@ from confluent_kafka import Producer
 
 from kvstream.kafka.config import producer_config
 from kvstream.settings import Settings
+from kvstream.tools.procs import free_port
 from kvstream.worker.announce import register_synthetic
-
-from tests.faults.helpers import free_port, rss_mib, spawn_router, stop_process, wait_http
+from tests.faults.helpers import rss_mib, spawn_router, stop_process, wait_http
 from tests.replica.helpers import FakeWorkerLog
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.slow]

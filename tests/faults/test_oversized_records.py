@@ -22,12 +22,12 @@ import pytest
 from confluent_kafka import Producer
 
 from kvstream.events.codec import EVENT_BATCH, AvroCodec
-from kvstream.kafka.config import producer_config
 from kvstream.events.wire import worker_key
+from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import EVENT_TOO_LARGE
 from kvstream.settings import Settings
-
-from tests.faults.helpers import agrees_with_log, free_port, spawn_router, stop_process, wait_http
+from kvstream.tools.procs import free_port
+from tests.faults.helpers import agrees_with_log, spawn_router, stop_process, wait_http
 from tests.faults.test_worker_faults import until
 from tests.replica.helpers import FakeWorkerLog
 from tests.replica.test_replica_kafka import produce, read_all, start, wait_caught_up

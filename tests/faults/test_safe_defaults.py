@@ -16,14 +16,14 @@ import pytest
 from confluent_kafka import Producer
 
 from kvstream.events.codec import EventCodec
-from kvstream.events.model import Cleared, EventBatch, Stored, Tier
+from kvstream.events.model import TICK_HEADER, Cleared, EventBatch, Stored, Tier
 from kvstream.events.wire import worker_key
 from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import WORKER_FULL
-from kvstream.events.model import TICK_HEADER
 from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH
 from kvstream.settings import Settings
-from tests.faults.helpers import agrees_with_log, free_port, stop_process, wait_http
+from kvstream.tools.procs import free_port
+from tests.faults.helpers import agrees_with_log, stop_process, wait_http
 from tests.faults.test_http_limits import (
     CLIENT,
     NOFILE,

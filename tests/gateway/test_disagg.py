@@ -13,7 +13,6 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from engines.conftest import free_ports
 from engines.engines import wheel_source
 
 from kvstream.gateway import disagg
@@ -21,6 +20,7 @@ from kvstream.gateway.errors import ApiError
 from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.replica.replica import Replica
 from kvstream.roles import Handoff, Role
+from kvstream.tools.procs import free_port
 from tests.emulator.conftest import Emulator, start_emulator, stop_emulator
 from tests.gateway.fleet import MODEL, Served, load_of, serving, wait_until
 from tests.gateway.test_relay import metric
@@ -144,7 +144,7 @@ def pd_fleet(replica: Replica, handoff: Handoff, prefill: int = 2, decode: int =
     with ExitStack() as stack:
         ps, ds, roles = [], [], []
         for _ in range(prefill):
-            extra = ["--bootstrap-port", str(port := free_ports(1))] if handoff is Handoff.BOOTSTRAP else []
+            extra = ["--bootstrap-port", str(port := free_port())] if handoff is Handoff.BOOTSTRAP else []
             emu = start_emulator("--model", MODEL, "--role", "prefill", "--handoff", handoff.value,
                                  "--prefill-ms-per-token", "0.2", *extra)
             stack.callback(stop_emulator, emu)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import socket
 import subprocess
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
+from kvstream.tools.procs import free_port_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSWER = re.compile(
@@ -39,26 +40,6 @@ def walkthrough(marker: str = "walkthrough") -> str:
     return blocks[0]
 
 
-def free_ports(n: int, step: int = 3) -> list[int]:
-    """``n`` base ports, each with the ``step`` - 1 ports above it free too, below the
-    kernel's ephemeral range (where any outgoing connection could take one meanwhile)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    out: list[int] = []
-    while len(out) < n:
-        base = rng.randrange(10_000, low - step)
-        if any(abs(base - o) < step for o in out):
-            continue
-        try:
-            for p in range(base, base + step):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        out.append(base)
-    return out
-
-
 def section(out: str, name: str) -> dict:
     start = out.index(f"== {name}\n") + len(f"== {name}\n")
     return json.JSONDecoder().raw_decode(out[start:])[0]
@@ -67,7 +48,8 @@ def section(out: str, name: str) -> dict:
 def run_block(marker: str, tmp_path: Path) -> tuple[str, list[int]]:
     """The block run as a bash script on free ports: what it printed (it must succeed),
     and its ports (router, engine, kv, replay)."""
-    ports = free_ports(4, step=4)
+    base = free_port_run(16)  # each with room above it (the engine's DP ranks)
+    ports = [base, base + 4, base + 8, base + 12]
     router, engine, kv, replay = ports
     env = {
         **os.environ,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from click.testing import CliRunner
 from kvstream.cli import cli
 from kvstream.events.model import Cleared, Stored, Tier
 from kvstream.hashing import local_hashes
+from kvstream.tools.procs import free_port
 
 from .test_publisher import read_batches
 
@@ -103,12 +103,6 @@ def test_lease_must_outlast_heartbeats():
     )
     assert result.exit_code == 2
     assert "lease_ms (1000) must be longer than the heartbeat interval" in result.output
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:
