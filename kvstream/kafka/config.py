@@ -42,8 +42,8 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     # carried ~1.2 records; 10 ms gathers ~3, and zstd then shrinks the batch (lz4 barely
     # does: the hashes are random, only the framing compresses). Fewer bytes on the wire
     # per block event (a fifth for one-block events) for a few ms more event latency;
-    # 20-50 ms saves a little more and costs as much more latency. The replicas' own
-    # producer (load ops on kvstream.active) lingers as long: kvstream.replica.replica.
+    # 20-50 ms saves a little more and costs as much more latency. The replicas' load
+    # ops are paced instead (kvstream.replica.pacer).
     "compression.type": "zstd",
     "linger.ms": 10,
     "batch.size": 1024 * 1024,

@@ -32,6 +32,7 @@ from kvstream.logs import get_logger
 from kvstream.replica.active_codec import ActiveOpCodec, load_window_start_ms
 from kvstream.replica.errors import AmbiguousRequestError
 from kvstream.replica.metrics import ReplicaMetrics
+from kvstream.replica.pacer import Pacer
 from kvstream.replica.request_ids import scoped, unscoped
 from kvstream.replica.supervisor import Supervisor
 from kvstream.router import Router
@@ -83,6 +84,7 @@ class LoadSharing:
         self._routing: dict[str, float] = {}
         self._split = (0, 1)
         metrics.routing_replicas.set(1)
+        self._pacer: Pacer[tuple[bytes, bytes, list]] = Pacer(self._produce, f"{replica_id}-ops")
 
     def run(self) -> None:
         consumer = Consumer(consumer_config(self._settings, **{"auto.offset.reset": "latest"}))
@@ -201,12 +203,16 @@ class LoadSharing:
         headers = [(INSTANCE_HEADER, self._instance_tag)]
         if owner is not None:
             headers.append((SENDER_HEADER, self.replica_id.encode()))
+        self._pacer.put((self._codec.encode(owner or self.replica_id, op), op.request_id.encode(), headers))
+
+    def _produce(self, ops: list[tuple[bytes, bytes, list]]) -> None:
         # Three ops per relayed request: a poll after each would cost as much as the op.
-        self._producer.produce(
-            "active", self._topic, poll=False,
-            value=self._codec.encode(owner or self.replica_id, op), key=op.request_id.encode(),
-            headers=headers,
-        )
+        for value, key, headers in ops:
+            self._producer.produce("active", self._topic, poll=False, value=value, key=key, headers=headers)
+
+    def close(self) -> None:
+        """Hand the ops that wait for their window to the producer (before its flush)."""
+        self._pacer.close()
 
     def request_op(self, apply: Callable[[str], ActiveOp], request_id: str) -> None:
         """``apply`` (the router's prefill_done or free) to this replica's request

@@ -105,13 +105,11 @@ class Replica:
             self.replica_id, self._stop, self.metrics,
             RestartPolicy(o.thread_backoff_s, o.thread_max_backoff_s, o.thread_max_failures), on_fatal,
         )
-        # The producers' linger (10 ms) for the load ops too: a gateway makes three per
-        # request, and at 2 ms the broker spent as much CPU per request as the gateway
-        # itself (two runs: 301/297 µs, and 144/152 at 10 ms, with 12 % more requests/s
-        # from the same 2 cores; batching the peers' fetches as well changed little).
-        # Peers see an op up to ~10 ms later.
+        # Load ops are paced before they reach it (kvstream.replica.pacer: sparse ones at
+        # once, dense ones a 10 ms window's worth together), so it lingers only long
+        # enough to put one window's ops in one produce request.
         self._producer = CountingProducer(
-            producer_config(settings, **{"client.id": self.replica_id}),
+            producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 1}),
             on_refused=lambda what, error: self.metrics.produce_refused.labels(what=what, error=error).inc(),
             on_failed=lambda _what, _error: self.metrics.produce_failures.inc(),
         )
@@ -208,6 +206,7 @@ class Replica:
         down = self._broker_down()
         for t in self.supervisor.threads:
             t.join(timeout=2 if down else 30)
+        self._load.close()
         if self.snapshotter is not None and not self.snapshotter.close(final=True):
             log.error("stopped without a final snapshot: the next start replays more", replica=self.replica_id)
         unsent = self._producer.flush(0 if down else 10)

@@ -12,6 +12,7 @@ import pytest
 
 from kvstream.settings import Settings, SettingsError, load_settings
 from kvstream.tools.procs import free_port
+
 from tests.faults.helpers import KVSTREAM, ROOT, router_env, stop_process, wait_http
 
 TOML = 'log_level = "warning"\nlog_format = "json"\n'

@@ -16,6 +16,7 @@ import pytest
 
 from kvstream.settings import Settings
 from kvstream.tools.procs import free_port, socket_activated
+
 from tests.faults.helpers import KVSTREAM, ROOT, router_env, stop_process, wait_http
 
 

@@ -18,6 +18,7 @@ from kvstream.replica.fold import LogFold
 from kvstream.replica.record import Record, read_record
 from kvstream.router import Router
 from kvstream.settings import FoldSettings, Settings
+
 from tests.replica.helpers import CODEC
 from tests.replica.test_snapshot import state
 

@@ -27,6 +27,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvstream.tools.procs import free_port
+
 from tests.faults.helpers import ROOT
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.slow]

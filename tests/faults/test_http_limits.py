@@ -37,6 +37,7 @@ from kvstream.replica.snapshotter import Snapshotter
 from kvstream.settings import Settings, TopicSettings
 from kvstream.tools.procs import free_port
 from kvstream.worker.announce import register_synthetic
+
 from tests.faults.helpers import (
     KVSTREAM,
     ROOT,

@@ -18,6 +18,7 @@ from kvstream.kafka.config import producer_config
 from kvstream.settings import Settings
 from kvstream.tools.procs import free_port
 from kvstream.worker.announce import register_synthetic
+
 from tests.faults.helpers import rss_mib, spawn_router, stop_process, wait_http
 from tests.replica.helpers import FakeWorkerLog
 

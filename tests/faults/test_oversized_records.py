@@ -27,6 +27,7 @@ from kvstream.kafka.config import producer_config
 from kvstream.replica.authority import EVENT_TOO_LARGE
 from kvstream.settings import Settings
 from kvstream.tools.procs import free_port
+
 from tests.faults.helpers import agrees_with_log, spawn_router, stop_process, wait_http
 from tests.faults.test_worker_faults import until
 from tests.replica.helpers import FakeWorkerLog

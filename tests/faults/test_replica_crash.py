@@ -20,10 +20,10 @@ from kvstream.kafka.config import producer_config
 from kvstream.replica.fold import DUPLICATE, GAP, NO_CLEARED, STALE_EPOCH
 from kvstream.replica.replica import Replica, ReplicaOptions
 from kvstream.replica.snapshot import SnapshotStore
+from kvstream.tools.procs import free_port
 
 from tests.faults.helpers import (
     agrees_with_log,
-    free_port,
     spawn_router,
     stop_process,
     wait_http,

@@ -23,6 +23,7 @@ from kvstream.replica.authority import WORKER_FULL
 from kvstream.replica.fold import DUPLICATE, ID_CONFLICT, STALE_EPOCH
 from kvstream.settings import Settings
 from kvstream.tools.procs import free_port
+
 from tests.faults.helpers import agrees_with_log, stop_process, wait_http
 from tests.faults.test_http_limits import (
     CLIENT,

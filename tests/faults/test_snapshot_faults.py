@@ -196,15 +196,34 @@ class FlakyStore(SnapshotStore):
         return super().write_blob(worker, gen, blob)
 
 
+def two_workers(blocks: int, seed: int):
+    """A fold of two workers on partitions 0 and 1: worker 1 with the first half of
+    ``blocks`` blocks of ``tokens``, worker 2 with two; (fold, w1, w2, tokens)."""
+    fold = new_fold()
+    w, other = FakeWorkerLog(1, lease_ms=10**9), FakeWorkerLog(2, lease_ms=10**9)
+    rng = random.Random(seed)
+    tokens = [rng.randrange(50_000) for _ in range(16 * blocks)]
+    fold.apply_record(0, 0, 1, w.batch(w.cleared(), w.stored(tokens[: 16 * (blocks // 2)])))
+    fold.apply_record(1, 0, 1, other.batch(other.cleared(), other.stored(tokens[:32])))
+    return fold, w, other, tokens
+
+
+def closed_and_restored(snap: Snapshotter, store: SnapshotStore):
+    """Close ``snap`` with a final snapshot, then restore its store afresh:
+    (generation, state, skipped)."""
+    assert snap.close(final=True)
+    store.close()
+    store = SnapshotStore(store.path)
+    try:
+        return restored_state(store)
+    finally:
+        store.close()
+
+
 def test_failed_blob_write_never_leaves_a_stale_pointer(tmp_path: Path) -> None:
     """Issue 13 (6): a worker with 1,000 blocks, then 2,000; the generation that held the
     2,000 failed to write; a later one must not point at the 1,000-block blob."""
-    fold = new_fold()
-    w, other = FakeWorkerLog(1, lease_ms=10**9), FakeWorkerLog(2, lease_ms=10**9)
-    rng = random.Random(1)
-    tokens = [rng.randrange(50_000) for _ in range(16 * 2000)]
-    fold.apply_record(0, 0, 1, w.batch(w.cleared(), w.stored(tokens[: 16 * 1000])))
-    fold.apply_record(1, 0, 1, other.batch(other.cleared(), other.stored(tokens[:32])))
+    fold, w, other, tokens = two_workers(2000, seed=1)
     store = FlakyStore(tmp_path / "s")
     snap = Snapshotter(store, fold, "events", "tid", 2, 0, 0)
     snap.snapshot_now()
@@ -215,11 +234,7 @@ def test_failed_blob_write_never_leaves_a_stale_pointer(tmp_path: Path) -> None:
     # Only the other worker changes before the next generation.
     fold.apply_record(1, 1, 3, other.batch(other.stored(tokens[:64], start_block=2)))
     snap.snapshot_now()
-    assert snap.close(final=True)
-    store.close()
-    store = SnapshotStore(tmp_path / "s")
-    gen, got, skipped = restored_state(store)
-    store.close()
+    _, got, skipped = closed_and_restored(snap, store)
     assert not skipped and got == state(fold)
     blocks = {k.worker_id: sum(len(p.block_hashes) for p in fold.router.export_worker(k.worker_id)) for k in fold.router.workers()}
     assert blocks[1] == 2000
@@ -241,12 +256,7 @@ def test_a_generation_begun_while_the_last_is_written_points_at_no_stale_blob(tm
     """Generation 2 rewrites worker 1 and is still being written when worker 2 changes:
     generation 3 must not point worker 1 at generation 1's blob (its state before 2).
     It used to, and the newest generation was then refused at load as a stale blob."""
-    fold = new_fold()
-    w, other = FakeWorkerLog(1, lease_ms=10**9), FakeWorkerLog(2, lease_ms=10**9)
-    rng = random.Random(2)
-    tokens = [rng.randrange(50_000) for _ in range(16 * 200)]
-    fold.apply_record(0, 0, 1, w.batch(w.cleared(), w.stored(tokens[: 16 * 100])))
-    fold.apply_record(1, 0, 1, other.batch(other.cleared(), other.stored(tokens[:32])))
+    fold, w, other, tokens = two_workers(200, seed=2)
     store = GatedStore(tmp_path / "s")
     store.gate = threading.Event()
     store.gate.set()
@@ -264,11 +274,7 @@ def test_a_generation_begun_while_the_last_is_written_points_at_no_stale_blob(tm
     threading.Timer(1.0, store.gate.set).start()  # the old code's steps filled the queue
     snap.step()
     snap.step()
-    assert snap.close(final=True)
-    store.close()
-    store = SnapshotStore(tmp_path / "s")
-    gen, got, skipped = restored_state(store)
-    store.close()
+    gen, got, skipped = closed_and_restored(snap, store)
     assert not skipped and got == state(fold)
     assert gen == 3
 

@@ -18,18 +18,18 @@ from prometheus_client import generate_latest
 
 from kvstream.replica.snapshot import SnapshotStore
 from kvstream.replica.snapshotter import restore_fold
+from kvstream.tools.procs import free_port
 
 from tests.faults.helpers import (
     agrees_with_log,
     comparable,
-    free_port,
     read_log,
     reference_fold,
     spawn_router,
     stop_process,
     wait_http,
 )
-from tests.faults.test_snapshot_faults import mount_tmpfs, fill
+from tests.faults.test_snapshot_faults import fill, mount_tmpfs
 from tests.replica.helpers import new_fold
 from tests.replica.test_replica_kafka import log_records, produce, start, wait_caught_up
 

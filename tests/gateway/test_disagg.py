@@ -21,6 +21,7 @@ from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.replica.replica import Replica
 from kvstream.roles import Handoff, Role
 from kvstream.tools.procs import free_port
+
 from tests.emulator.conftest import Emulator, start_emulator, stop_emulator
 from tests.gateway.fleet import MODEL, Served, load_of, serving, wait_until
 from tests.gateway.test_relay import metric

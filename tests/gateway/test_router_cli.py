@@ -11,10 +11,11 @@ import openai
 import pytest
 
 from kvstream.settings import Settings, SettingsError, load_settings
+from kvstream.tools.procs import free_port
+
 from tests.faults.helpers import (
     KVSTREAM,
     ROOT,
-    free_port,
     router_env,
     stop_process,
     wait_http,

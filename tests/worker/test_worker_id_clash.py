@@ -20,9 +20,10 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvstream.events.wire import worker_key
 from kvstream.kafka.config import consumer_config
+from kvstream.tools.procs import free_port
 from kvstream.worker.incarnation import kafka_partition
 
-from .test_worker_cli import KVSTREAM, free_port, scrape
+from .test_worker_cli import KVSTREAM, scrape
 
 
 def start(settings, seed: int, *extra: str) -> tuple[subprocess.Popen, int]:

@@ -18,9 +18,10 @@ from kvstream.events.codec import EventCodec
 from kvstream.events.model import Cleared, Tier
 from kvstream.replica.fold import LogFold
 from kvstream.router import Router
+from kvstream.tools.procs import free_port
 
 from .test_publisher import read_batches
-from .test_worker_cli import KVSTREAM, free_port, scrape
+from .test_worker_cli import KVSTREAM, scrape
 
 
 def listening_address(port: int) -> str:
