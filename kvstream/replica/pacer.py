@@ -17,6 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from kvstream.logs import get_logger
+
+log = get_logger(__name__)
 T = TypeVar("T")
 
 #: The window, seconds: at most one hand-off per window while ops keep coming (the
@@ -68,4 +71,7 @@ class Pacer(Generic[T]):
                     continue
                 items, self._waiting = self._waiting, []
                 self._last = time.monotonic()
-                self._send(items)
+                try:
+                    self._send(items)
+                except Exception as exc:  # noqa: BLE001 - the thread must live: later ops would wait for ever
+                    log.error("load ops not handed to the producer", ops=len(items), error=f"{type(exc).__name__}: {exc}")

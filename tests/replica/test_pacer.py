@@ -76,3 +76,24 @@ def test_ops_from_many_threads_keep_each_threads_order_and_none_is_lost() -> Non
         mine = [x for x in flat if x // per == t]
         assert mine == sorted(mine)
     assert 1 < len(sent.batches) < n * per  # some batched, some alone
+
+
+def test_a_failing_hand_off_is_logged_and_the_next_ops_still_go() -> None:
+    sent = Sent()
+    failed = threading.Event()
+
+    def send(items: list[int]) -> None:
+        if items == [1, 2]:
+            failed.set()
+            raise RuntimeError("producer gone")
+        sent(items)
+
+    pacer = Pacer(send, "test-pacer", window_s=0.05)
+    pacer.put(0)
+    pacer.put(1)
+    pacer.put(2)
+    assert failed.wait(5)
+    time.sleep(0.06)
+    pacer.put(3)  # the thread lives on: it goes at once
+    pacer.close()
+    assert sent.batches == [[0], [3]]
