@@ -61,6 +61,7 @@ class LoadSharing:
         lock: AbstractContextManager[Any],
         codec: ActiveOpCodec,
         producer: CountingProducer,
+        share_window_s: float,
         metrics: ReplicaMetrics,
         supervisor: Supervisor,
         stop: threading.Event,
@@ -84,7 +85,7 @@ class LoadSharing:
         self._routing: dict[str, float] = {}
         self._split = (0, 1)
         metrics.routing_replicas.set(1)
-        self._pacer: Pacer[tuple[bytes, bytes, list]] = Pacer(self._produce, f"{replica_id}-ops")
+        self._pacer: Pacer[tuple[bytes, bytes, list]] = Pacer(self._produce, f"{replica_id}-ops", share_window_s)
 
     def run(self) -> None:
         consumer = Consumer(consumer_config(self._settings, **{"auto.offset.reset": "latest"}))

@@ -22,15 +22,12 @@ from kvstream.logs import get_logger
 log = get_logger(__name__)
 T = TypeVar("T")
 
-#: The window, seconds: at most one hand-off per window while ops keep coming (the
-#: producers' linger, which the replica's producer no longer waits).
-WINDOW_S = 0.010
-
 
 class Pacer(Generic[T]):
-    """Items passed to ``send`` in order: at once, or in lists of a window's items."""
+    """Items passed to ``send`` in order: at once, or in lists of a window's items (at
+    most one hand-off per ``window_s`` while items keep coming)."""
 
-    def __init__(self, send: Callable[[list[T]], None], name: str, window_s: float = WINDOW_S) -> None:
+    def __init__(self, send: Callable[[list[T]], None], name: str, window_s: float) -> None:
         self._send, self._window = send, window_s
         self._cond = threading.Condition()
         self._waiting: list[T] = []

@@ -105,11 +105,14 @@ class Replica:
             self.replica_id, self._stop, self.metrics,
             RestartPolicy(o.thread_backoff_s, o.thread_max_backoff_s, o.thread_max_failures), on_fatal,
         )
-        # Load ops are paced before they reach it (kvstream.replica.pacer: sparse ones at
-        # once, dense ones a 10 ms window's worth together), so it lingers only long
-        # enough to put one window's ops in one produce request.
+        # The producers' linger (10 ms unless kafka_options says otherwise) is the load
+        # ops' pacing window (kvstream.replica.pacer: sparse ones at once, dense ones a
+        # window's worth together); the producer itself lingers only long enough to put
+        # one window's ops in one produce request.
+        config = producer_config(settings, **{"client.id": self.replica_id})
+        share_window_s = float(config["linger.ms"]) / 1000
         self._producer = CountingProducer(
-            producer_config(settings, **{"client.id": self.replica_id, "linger.ms": 1}),
+            {**config, "linger.ms": 1},
             on_refused=lambda what, error: self.metrics.produce_refused.labels(what=what, error=error).inc(),
             on_failed=lambda _what, _error: self.metrics.produce_failures.inc(),
         )
@@ -117,7 +120,7 @@ class Replica:
                                        o.resync_min_interval_s, self.metrics, self.codec)
         self._awaited = AwaitedResyncs(o.resync_wait_s, self._note)
         self._load = LoadSharing(settings, self.replica_id, self.router, self.lock, self.active_codec,
-                                 self._producer, self.metrics, self.supervisor, self._stop)
+                                 self._producer, share_window_s, self.metrics, self.supervisor, self._stop)
         self._registry_reader = RegistryReader(settings, self.replica_id, self.registry, self.metrics, self._stop,
                                                partial(self.supervisor.progress, "workers"))
         #: How each routable worker is routed (by its events or approximately), stepped
