@@ -79,7 +79,9 @@ def decide(
             raise NoEligibleWorkerError("no workers known: none has published an event within its lease")
         raise NoEligibleWorkerError("no candidate worker was given")
     learned = COSTS[cfg.policy].inputs(active.rates, keys, cfg)
-    rates = None if learned is None else (learned.rates, learned.decode_slowdown_s)
+    # Sampling (temperature > 0) tells no costs apart: the band is for the argmin.
+    band = cfg.ttft_error_band * learned.error if learned is not None and cfg.router_temperature == 0 else 0.0
+    rates = None if learned is None else (learned.rates, learned.decode_slowdown_s, band)
     core, index_core = active.core, index.core
     if prompt.sequence_hashes is None:
         routed = core.route(
@@ -104,6 +106,6 @@ def decide(
     schedule = Schedule(
         cands, columns, tuple(np.frombuffer(probs, "<f8").tolist()),
         (None,) * n if excluded is None else tuple(excluded), chosen, cfg,
-        None if queued is None else np.frombuffer(queued, "<f8"),
+        None if queued is None else np.frombuffer(queued, "<f8"), band,
     )
     return schedule, (PackedHashes(seqs) if seqs is not None else None), isl

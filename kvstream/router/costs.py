@@ -64,6 +64,17 @@ weight at 0, kvstream.gateway.relay): a prefill worker's requests decode elsewhe
 decode worker receives the prompt's KV by transfer, which takes no step from the
 requests running there.
 
+The cost is a prediction, and a wrong one by the model's own measure
+(kvstream.router.rates, ``error``: ~6–10 % on the emulated fleets). Two candidates
+whose costs differ by less than that are not told apart by it, and for those the cache
+decides: at temperature 0, of the candidates within ``ttft_error_band`` × the learned
+error of the lowest cost (relative), those holding the most of the prompt (the fewest
+``uncached`` tokens) are kept, and of them the lowest cost wins (route.rs,
+``TtftCost::within_error``). The argmin alone gave cache away on differences inside
+the model's error (the conversation trace at 3×, medians of 3 against the argmin in the
+same session: the share given up for load 0.0081 → 0.0041, cached share 0.1275 →
+0.1315, TTFT p99 1,281 → 1,195 ms; docs/RESULTS.md).
+
 Onboarding is counted in prefill-token equivalents (moving a token's KV up a tier costs
 that fraction of computing it). ``rate`` and ``decode_slowdown`` are learned online
 (kvstream.router.rates). The §5 terms are computed under either policy, for
@@ -82,7 +93,7 @@ from kvstream.router.rates import PrefillRates
 
 
 class TtftConfig(Protocol):
-    """What the ttft cost reads of the configuration (SchedulerConfig's fields)."""
+    """What the ttft cost's inputs read of the configuration (SchedulerConfig's fields)."""
 
     @property
     def ttft_prior_tokens_per_s(self) -> float: ...
@@ -99,6 +110,8 @@ class LearnedInputs:
     rates: list[float]
     #: Seconds per prefilled token per active decode block.
     decode_slowdown_s: float
+    #: The model's relative error (PrefillRates.error at the configured scope).
+    error: float
 
 
 class Cost(Protocol):
@@ -120,8 +133,9 @@ class TtftCost:
     """The predicted time to first token, at the learned rates."""
 
     def inputs(self, learned: PrefillRates, keys: Sequence[WorkerKey], cfg: TtftConfig) -> LearnedInputs | None:
+        scope = cfg.ttft_rate_scope
         return LearnedInputs(
-            learned.rates_for(keys, cfg.ttft_prior_tokens_per_s, cfg.ttft_rate_scope), learned.decode_slowdown()
+            learned.rates_for(keys, cfg.ttft_prior_tokens_per_s, scope), learned.decode_slowdown(), learned.error(scope)
         )
 
 

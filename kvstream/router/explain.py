@@ -46,4 +46,5 @@ def decision_dict(d: RouteDecision, explain: bool = False) -> dict[str, Any]:
     }
     if explain:
         out["candidates"] = [candidate_dict(c) for c in d.candidates]
+        out["error_band"] = d.schedule.error_band
     return out

@@ -104,6 +104,8 @@ class LearnedRates:
     fleet: float | None
     #: Seconds per prefilled token per active decode block.
     decode_slowdown_s: float
+    #: The model's relative error at the configured rate scope (PrefillRates.error).
+    error: float
 
 
 #: Departed workers a router remembers (the latest ones).
@@ -265,7 +267,10 @@ class Router:
     def learned_rates(self) -> LearnedRates:
         """What the ttft policy has learned from observed times to first token."""
         rates = self._active.rates
-        return LearnedRates({k: rates.rate(k) for k in rates.keys()}, rates.fleet_rate(), rates.decode_slowdown())
+        return LearnedRates(
+            {k: rates.rate(k) for k in rates.keys()}, rates.fleet_rate(), rates.decode_slowdown(),
+            rates.error(self.config.scheduler.ttft_rate_scope),
+        )
 
     def split_ties(self, part: int, parts: int) -> None:
         """Break ties among the candidates in this router's part: the candidates in key

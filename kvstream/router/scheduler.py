@@ -76,6 +76,11 @@ class SchedulerConfig:
     #: ttft: price every worker at the fleet's learned throughput ("fleet"), or each at
     #: its own ("worker": for a fleet of unequal GPUs).
     ttft_rate_scope: str = _option("fleet", choices=RATE_SCOPES)
+    #: ttft, at temperature 0: candidates whose cost is within this multiple of the
+    #: model's learned relative error of the lowest are not told apart by it, and the
+    #: one of them holding the most of the prompt cached wins (kvstream.router.costs;
+    #: 0: the lowest cost alone).
+    ttft_error_band: float = _option(1.0, per_request=True)
     #: The share of an expected block (routed to the worker, not yet confirmed by its
     #: events) counted as cached, under either policy.
     expected_cache_hit_weight: float = _option(1.0, per_request=True)
@@ -242,6 +247,9 @@ class Schedule:
     #: Under ttft, per candidate the prefill it counted as queued there, in tokens
     #: (None under kv).
     queued: np.ndarray | None = None
+    #: Under ttft at temperature 0, the share of the lowest cost within which costs were
+    #: not told apart and the cache decided (kvstream.router.costs; 0: none).
+    error_band: float = 0.0
 
     @property
     def terms(self) -> tuple[LogitTerms, ...]:

@@ -53,6 +53,8 @@ class Candidates(CoreCandidates):
     queues: tuple[tuple[float, tuple[tuple[float, int], ...]] | None, ...] = ()
     #: When the decision is made (the queues drain until then).
     now: float = 0.0
+    #: The learned model's relative error (PrefillRates.error).
+    rate_error: float = 0.0
 
     @classmethod
     def from_rows(cls, rows: Sequence[Candidate]) -> Candidates:
@@ -425,12 +427,19 @@ def ttft_queue(cfg: SchedulerConfig, c: Candidates) -> tuple[np.ndarray, np.ndar
     return per_token, ahead
 
 
+def ttft_uncached(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
+    """Per candidate, the prompt tokens it would compute (an expected block counted at
+    its weight)."""
+    dev, host, disk, ext, exp = c.overlaps.T.astype(np.float64)
+    return np.maximum(isl - (dev + host + disk + ext + cfg.expected_cache_hit_weight * exp) * block_size, 0.0)
+
+
 def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates) -> np.ndarray:
     """The ``ttft`` policy's cost of each candidate, in seconds: its predicted time to
     first token, plus the weighted delay its uncached prefill puts on later requests."""
-    dev, host, disk, ext, exp = c.overlaps.T.astype(np.float64)
+    _, host, disk, ext, _ = c.overlaps.T.astype(np.float64)
     has_load = c.loads.T[0]
-    uncached = np.maximum(isl - (dev + host + disk + ext + cfg.expected_cache_hit_weight * exp) * block_size, 0.0)
+    uncached = ttft_uncached(cfg, isl, block_size, c)
     onboard = (cfg.ttft_host_onboard_ratio * host + cfg.ttft_disk_onboard_ratio * (disk + ext)) * block_size
     per_token, ahead = ttft_queue(cfg, c)
     busy = min(float(np.count_nonzero(has_load)) / max(len(c), 1), BUSY_CAP)
@@ -438,6 +447,21 @@ def predicted_ttft(cfg: SchedulerConfig, isl: int, block_size: int, c: Candidate
     running = np.where(has_load != 0, c.loads.T[3], 0)
     others = cfg.ttft_decode_delay_weight * running * (uncached + onboard)
     return (ahead + (1.0 + recompute) * uncached + onboard + others) * per_token
+
+
+def within_error(
+    cfg: SchedulerConfig, isl: int, block_size: int, c: Candidates, eligible: Sequence[int], logits: list[float]
+) -> list[float]:
+    """ttft at temperature 0: the eligible costs with those not kept set to +inf: kept are,
+    of the costs within ``ttft_error_band`` × the learned error of the lowest (relative),
+    those of the candidates with the fewest uncached tokens."""
+    band = cfg.ttft_error_band * c.rate_error
+    if band <= 0:
+        return logits
+    limit = min(logits) * (1.0 + band)
+    uncached = ttft_uncached(cfg, isl, block_size, c)[list(eligible)].tolist()
+    fewest = min(u for u, x in zip(uncached, logits) if x <= limit)
+    return [x if x <= limit and u <= fewest else math.inf for x, u in zip(logits, uncached)]
 
 
 class Scheduler:
@@ -483,6 +507,8 @@ class Scheduler:
             excluded = (None,) * n
             eligible = range(n)
             logits = columns.logit.tolist()
+        if cfg.policy == "ttft" and cfg.router_temperature == 0:
+            logits = within_error(cfg, isl, block_size, candidates, eligible, logits)
         probs = probabilities(logits, cfg.router_temperature)
         if cfg.router_temperature == 0 or min(logits) == max(logits):
             probs = split_ties(probs, candidates.workers, eligible, *self.split)
@@ -491,7 +517,8 @@ class Scheduler:
         for i, p in zip(eligible, probs):
             all_probs[i] = p
         queued_ = ttft_queue(cfg, candidates)[1] if cfg.policy == "ttft" else None
-        return Schedule(candidates, columns, tuple(all_probs), excluded, chosen, cfg, queued_)
+        band = cfg.ttft_error_band * candidates.rate_error if cfg.policy == "ttft" and cfg.router_temperature == 0 else 0.0
+        return Schedule(candidates, columns, tuple(all_probs), excluded, chosen, cfg, queued_, band)
 
 
 def _why_none(
@@ -558,7 +585,10 @@ class ReferenceRouter:
 
     def learned_rates(self) -> LearnedRates:
         rates = self.active.rates
-        return LearnedRates({k: rates.rate(k) for k in rates.keys()}, rates.fleet_rate(), rates.decode_slowdown())
+        return LearnedRates(
+            {k: rates.rate(k) for k in rates.keys()}, rates.fleet_rate(), rates.decode_slowdown(),
+            rates.error(self.config.scheduler.ttft_rate_scope),
+        )
 
     def reseed(self, seed: int) -> None:
         self.scheduler.rng.seed(seed)
@@ -637,5 +667,6 @@ class ReferenceRouter:
             active.rates.decode_slowdown(),
             active.queues_for(keys),
             self.clock() if now is None else now,
+            active.rates.error(sched.ttft_rate_scope),
         )
         return self.scheduler.schedule(isl, self.config.block_size, cands, overrides)

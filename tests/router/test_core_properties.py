@@ -85,6 +85,7 @@ def config(rng: random.Random) -> SchedulerConfig:
         ttft_recompute_weight=rng.choice([0.5, 0.0, 2.0]),
         ttft_decode_delay_weight=rng.choice([1.0, 0.0, 0.3]),
         ttft_rate_scope=rng.choice(["fleet", "worker"]),
+        ttft_error_band=rng.choice([1.0, 0.0, 5.0]),
         expected_cache_hit_weight=rng.choice([1.0, 1.0, 0.5, 0.0]),
     )
 

@@ -212,6 +212,69 @@ def test_rates_and_the_decode_slowdown_are_learned_from_ttfts_made_by_the_model(
     assert idle.decode_slowdown() == 0.0 and idle.rate(A) == pytest.approx(20_000)
 
 
+def test_the_models_error_is_the_decayed_relative_miss_of_its_own_predictions() -> None:
+    """Each observation is predicted by the model as it stood before it (at the fleet's
+    rate and at the worker's own); the error is the token-weighted decayed mean of
+    |observed − predicted| / predicted."""
+    r = PrefillRates(alpha=0.5)
+    r.observe(A, 1000, 1.0)  # no rate before it: nothing predicted
+    assert r.error("fleet") == r.error("worker") == 0.0
+    r.observe(A, 1000, 1.25)  # predicted 1.0 s at 1000 tokens/s
+    assert r.error("fleet") == pytest.approx(0.25) and r.error("worker") == pytest.approx(0.25)
+    rate = r.rate(A)  # 1000 / 1.125
+    r.observe(B, 3000, 3000 / rate)  # exactly the fleet's prediction; B has no rate of its own
+    assert r.error("fleet") == pytest.approx((0.25 * 1000 * 0.25) / (0.25 * 1000 + 0.5 * 3000))
+    assert r.error("worker") == pytest.approx(0.25)
+    # B's own rate is now the fleet's: predicted 3000 / rate, observed twice that.
+    r.observe(B, 3000, 2 * 3000 / rate)
+    assert r.error("worker") == pytest.approx((0.5 * 0.5 * 1000 * 0.25 + 0.5 * 3000 * 1.0) / (0.5 * 0.5 * 1000 + 0.5 * 3000))
+
+
+def test_costs_within_the_models_error_are_decided_by_the_cache() -> None:
+    """A (idle, nothing cached) is predicted 204.8 ms; B holds half the prompt behind a
+    queue and is predicted 4 % more. Within a 5 % error the model cannot tell them apart
+    and the cache decides (B); at a 3 % error, or with the band off, the lower cost
+    (A). Sampling (temperature > 0) is not narrowed."""
+    a = Candidate(A, TierOverlap(), False, 0, 0, 0, 4)
+    b = Candidate(B, TierOverlap(device=2), True, 2212, 0, 0, 2)
+    base = replace(Candidates.from_rows([a, b]), rates=np.array([20_000.0, 20_000.0]))
+    isl, bs = 2048, 512
+    costs = predicted_ttft(TTFT, isl, bs, base) * 1000
+    assert costs.tolist() == pytest.approx([204.8, 213.0])  # busy share 1/2: recompute weight 1
+    for error, band, chosen in ((0.05, 1.0, 1), (0.03, 1.0, 0), (0.05, 0.0, 0), (0.02, 2.5, 1), (0.0, 1.0, 0)):
+        cfg = replace(TTFT, ttft_error_band=band)
+        sch = Scheduler(cfg, random.Random(0)).schedule(isl, bs, replace(base, rate_error=error))
+        assert sch.chosen == chosen, (error, band)
+        assert sch.error_band == pytest.approx(error * band)
+        assert sch.columns.logit.tolist() == pytest.approx(costs.tolist())  # the costs shown are the model's
+    warm = replace(TTFT, router_temperature=0.5)
+    assert Scheduler(warm, random.Random(0)).schedule(isl, bs, replace(base, rate_error=0.05)).error_band == 0.0
+    # Of the candidates within the band, the fewest uncached tokens first, then the lowest cost.
+    c = Candidate(WorkerKey(3, 0), TierOverlap(device=2), True, 2100, 0, 0, 2)
+    three = replace(Candidates.from_rows([a, b, c]), rates=np.full(3, 20_000.0), rate_error=0.1)
+    assert Scheduler(TTFT, random.Random(0)).schedule(isl, bs, three).chosen == 2
+
+
+def test_the_router_learns_its_error_band_from_observed_first_tokens() -> None:
+    now = [100.0]
+    router = Router(RouterConfig(block_size=16, scheduler=TTFT), clock=lambda: now[0], rng=random.Random(0))
+    for w in (1, 2):
+        router.apply_event(Cleared(w, 0, Tier.DEVICE, 0, 0))
+    prompt = list(range(5000, 5000 + 16 * 8))
+    assert decision_dict(router.find_best_match(prompt, query_only=True), explain=True)["error_band"] == 0.0
+    for rid, worker, seconds in (("t1", 1, 1.0), ("t2", 2, 1.25)):  # 20,000 tokens each: 1 s predicted for t2
+        router.find_best_match(list(range(100_000 * worker, 100_000 * worker + 20_000)), request_id=rid, overrides=_only(worker))
+        now[0] += seconds
+        router.prefill_done(rid)
+        router.free(rid)
+    assert router.learned_rates().error == pytest.approx(0.25)
+    assert decision_dict(router.find_best_match(prompt, query_only=True), explain=True)["error_band"] == pytest.approx(0.25)
+    wide = router.find_best_match(prompt, query_only=True, overrides=SchedulerOverrides(ttft_error_band=2.0))
+    assert wide.schedule.error_band == pytest.approx(0.5)
+    sampled = router.find_best_match(prompt, query_only=True, overrides=SchedulerOverrides(router_temperature=0.3))
+    assert sampled.schedule.error_band == 0.0
+
+
 def test_decode_load_makes_a_long_prompt_avoid_the_busier_worker() -> None:
     """Equal queued prefill and rates, no cache: without a learned slowdown the two
     workers tie; with one, the worker holding 300 decode blocks costs more per token."""

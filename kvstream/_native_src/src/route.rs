@@ -250,6 +250,8 @@ struct TtftCost<'a> {
     decode_delay_weight: f64,
     /// The share of an expected block counted as cached.
     expected_weight: f64,
+    /// Costs within this share of the lowest are not told apart (`within_error`).
+    band: f64,
 }
 
 impl TtftCost<'_> {
@@ -271,6 +273,31 @@ impl TtftCost<'_> {
             .collect()
     }
 
+    /// Candidate `i`'s prompt tokens to compute (in the reference's order of operations).
+    fn uncached(&self, x: &Inputs, i: usize) -> f64 {
+        let o = &x.overlaps[COLS * i..COLS * (i + 1)];
+        let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
+        (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * x.block_size as f64).max(0.0)
+    }
+
+    /// At temperature 0, of the `eligible` candidates (their costs `lg`) those within
+    /// `band` of the lowest cost, then of those the ones with the fewest uncached tokens:
+    /// the others' costs become +inf, so that the argmin and its ties are over these
+    /// (kvstream/router/costs.py; the reference's within_error).
+    fn within_error(&self, x: &Inputs, lg: &mut [f64], eligible: &[usize]) {
+        if self.band <= 0.0 {
+            return;
+        }
+        let limit = lg.iter().copied().fold(f64::INFINITY, f64::min) * (1.0 + self.band);
+        let uncached: Vec<f64> = eligible.iter().map(|&i| self.uncached(x, i)).collect();
+        let fewest = (0..lg.len()).filter(|&e| lg[e] <= limit).map(|e| uncached[e]).fold(f64::INFINITY, f64::min);
+        for (e, l) in lg.iter_mut().enumerate() {
+            if *l > limit || uncached[e] > fewest {
+                *l = f64::INFINITY;
+            }
+        }
+    }
+
     /// The costs, given the candidates' `queues`. In the reference's order of
     /// operations (tests/router/reference_router.py, predicted_ttft, over numpy columns).
     fn costs_of(&self, x: &Inputs, queues: &[(f64, f64)]) -> Vec<f64> {
@@ -283,9 +310,9 @@ impl TtftCost<'_> {
         (0..n)
             .map(|i| {
                 let o = &x.overlaps[COLS * i..COLS * (i + 1)];
-                let (dev, host, disk, ext, exp) = (o[0] as f64, o[1] as f64, o[2] as f64, o[3] as f64, o[4] as f64);
+                let (host, disk, ext) = (o[1] as f64, o[2] as f64, o[3] as f64);
                 let row = &x.loads[LOAD_COLS * i..LOAD_COLS * (i + 1)];
-                let uncached = (x.isl as f64 - (dev + host + disk + ext + self.expected_weight * exp) * bs).max(0.0);
+                let uncached = self.uncached(x, i);
                 let onboard = (self.host_ratio * host + self.disk_ratio * (disk + ext)) * bs;
                 let running = if row[0] != 0 { row[3] } else { 0 };
                 let (per_token, ahead) = queues[i];
@@ -525,6 +552,9 @@ struct Prompt {
 struct Rates {
     per_candidate: Vec<f64>,
     decode_slowdown: f64,
+    /// Costs within this share of the lowest are not told apart (`TtftCost::within_error`:
+    /// `ttft_error_band` × the model's relative error, kvstream/router/core.py).
+    band: f64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -566,21 +596,22 @@ fn decide(
     let inputs = Inputs { isl, block_size: block_size as i64, overlaps: &overlaps, loads: &loads, n };
     // The policy is the cost whose inputs the caller passed (kvstream/router/costs.py:
     // kv reads nothing learned, ttft the learned rates).
-    let (costs, queued) = match rates {
+    let ttft = rates.map(|rates| TtftCost {
+        rates: &rates.per_candidate,
+        active,
+        keys,
+        now,
+        decode_slowdown: rates.decode_slowdown,
+        host_ratio: w.ttft_host_onboard_ratio,
+        disk_ratio: w.ttft_disk_onboard_ratio,
+        recompute_weight: w.ttft_recompute_weight,
+        decode_delay_weight: w.ttft_decode_delay_weight,
+        expected_weight: w.expected_cache_hit_weight,
+        band: rates.band,
+    });
+    let (costs, queued) = match &ttft {
         None => KvCost.costs(&inputs, &columns),
-        Some(rates) => TtftCost {
-            rates: &rates.per_candidate,
-            active,
-            keys,
-            now,
-            decode_slowdown: rates.decode_slowdown,
-            host_ratio: w.ttft_host_onboard_ratio,
-            disk_ratio: w.ttft_disk_onboard_ratio,
-            recompute_weight: w.ttft_recompute_weight,
-            decode_delay_weight: w.ttft_decode_delay_weight,
-            expected_weight: w.expected_cache_hit_weight,
-        }
-        .costs(&inputs, &columns),
+        Some(ttft) => ttft.costs(&inputs, &columns),
     };
     columns[6 * n..].copy_from_slice(&costs);
     let excluded: Option<Vec<Option<String>>> =
@@ -599,7 +630,10 @@ fn decide(
         });
     } else {
         let logit = &columns[6 * n..];
-        let lg: Vec<f64> = eligible.iter().map(|&i| logit[i]).collect();
+        let mut lg: Vec<f64> = eligible.iter().map(|&i| logit[i]).collect();
+        if let Some(ttft) = &ttft {
+            ttft.within_error(&inputs, &mut lg, &eligible);
+        }
         let mut p = probabilities(&lg, w.router_temperature);
         if w.router_temperature == 0.0 || lg.iter().all(|&x| x == lg[0]) {
             split.ties(&mut p, &eligible, keys);
@@ -735,7 +769,7 @@ impl ActiveCore {
     /// (kvstream.hashing.identity_seed: adapter and cache salt); `local`: the prompt's
     /// local hashes when the caller computed them (multimodal or extra-token blocks,
     /// kvstream.hashing.local_hashes), else the core hashes the tokens; `rates`: the
-    /// learned tokens/s per candidate and the decode slowdown (the ttft policy's
+    /// learned tokens/s per candidate, the decode slowdown and the band of costs not told apart (the ttft policy's
     /// inputs, and so the policy: without them the cost is kv); `r`: the uniform draw in [0, 1); `split`: (part, parts), this replica's part of the candidates for a tie (`Split`). Expires old requests at `now` first;
     /// with `request_id`, adds the request to the chosen worker.
     ///
@@ -761,7 +795,7 @@ impl ActiveCore {
         now: f64,
         request_id: Option<String>,
         local: Option<&Bound<'py, PyAny>>,
-        rates: Option<(Vec<f64>, f64)>,
+        rates: Option<(Vec<f64>, f64, f64)>,
         max_tokens: usize,
         split: (usize, usize),
     ) -> PyResult<Routed<'py>> {
@@ -806,7 +840,7 @@ impl ActiveCore {
         config: Weights,
         r: f64,
         now: f64,
-        rates: Option<(Vec<f64>, f64)>,
+        rates: Option<(Vec<f64>, f64, f64)>,
         split: (usize, usize),
     ) -> PyResult<Routed<'py>> {
         if block_size == 0 {
@@ -849,15 +883,17 @@ impl ActiveCore {
         prompt: impl FnOnce() -> Prompt + Send,
         block_size: usize,
         w: Weights,
-        rates: Option<(Vec<f64>, f64)>,
+        rates: Option<(Vec<f64>, f64, f64)>,
         (r, split): (f64, Split),
         now: f64,
         request_id: Option<String>,
     ) -> PyResult<Routed<'py>> {
         let keys: Vec<(usize, Key)> = keys.into_iter().enumerate().filter_map(|(s, k)| k.map(|k| (s, k))).collect();
         let rates = match rates {
-            Some((per_candidate, decode_slowdown)) if per_candidate.len() == keys.len() => Some(Rates { per_candidate, decode_slowdown }),
-            Some((per_candidate, _)) => {
+            Some((per_candidate, decode_slowdown, band)) if per_candidate.len() == keys.len() => {
+                Some(Rates { per_candidate, decode_slowdown, band })
+            }
+            Some((per_candidate, ..)) => {
                 return Err(PyValueError::new_err(format!("{} rates for {} candidates", per_candidate.len(), keys.len())))
             }
             None => None,
