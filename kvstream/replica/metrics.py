@@ -132,6 +132,15 @@ class ReplicaMetrics:
             "kvstream_expected_blocks", "Blocks expected on workers: routed there, not confirmed by their events yet",
             registry=r,
         )
+        self.ttft_rate = Gauge(
+            "kvstream_ttft_prefill_tokens_per_second",
+            "The ttft policy's learned prefill throughput of the fleet (0: nothing observed yet)", registry=r,
+        )
+        self.ttft_error = Gauge(
+            "kvstream_ttft_model_error",
+            "The ttft policy's relative error: |observed - predicted| / predicted prefill time, token-weighted and "
+            "decayed; costs closer than ttft_error_band times this are decided by the cache", registry=r,
+        )
         self._last_commit: float | None = None
         self.snapshot_age.set_function(
             lambda: 0.0 if self._last_commit is None else time.time() - self._last_commit

@@ -380,6 +380,9 @@ def create_app(
         with replica.lock:
             metrics.set_rejections(replica.fold.rejections())
             metrics.expected_blocks.set(replica.router.expected_total())
+            learned = replica.router.learned_rates()
+        metrics.ttft_rate.set(learned.fleet or 0.0)
+        metrics.ttft_error.set(learned.error)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -71,7 +71,11 @@ def test_streamed_and_whole_answers_reach_the_sdk_and_load_returns_to_zero(repli
         assert metric(s, "kvstream_gateway_ttft_seconds_count", model=MODEL) == 3
         # The ttft policy learned prefill rates from the first-token times.
         with replica.lock:
-            assert replica.router.learned_rates().fleet is not None
+            learned = replica.router.learned_rates()
+        assert learned.fleet is not None
+        # ...which /metrics shows, with the model's error (each prediction against its observation).
+        assert metric(s, "kvstream_ttft_prefill_tokens_per_second") == pytest.approx(learned.fleet, rel=1e-6)
+        assert metric(s, "kvstream_ttft_model_error") == pytest.approx(learned.error, rel=1e-6)
 
 
 def test_body_is_forwarded_byte_for_byte_and_headers_are_filtered(replica: Replica) -> None:
