@@ -68,6 +68,9 @@ class PrefillRates:
         self.alpha = alpha
         #: worker → (decayed tokens, decayed seconds less the decode slowdown)
         self._sums: dict[WorkerKey, tuple[float, float]] = {}
+        #: Σ of _sums' tokens and seconds over the workers, kept as they change (the
+        #: fleet's rate is read for every decision and observation: not a pass per read)
+        self._pooled = (0.0, 0.0)
         #: decayed Σ x·residual and Σ x², x = tokens·decode_blocks (the slowdown's regression)
         self._slowdown_sums = (0.0, 0.0)
         #: per rate scope: decayed Σ tokens·relative error and Σ tokens (error())
@@ -83,9 +86,10 @@ class PrefillRates:
         a = self.alpha
         rate = self.rate(key)
         x = float(tokens) * decode_blocks
-        for scope, r in (("fleet", self.fleet_rate()), ("worker", rate)):
+        slowdown = self.decode_slowdown()
+        for scope, r in {"fleet": self.fleet_rate(), "worker": rate}.items():
             if r:
-                predicted = tokens / r + self.decode_slowdown() * x
+                predicted = tokens / r + slowdown * x
                 e, w = self._error_sums[scope]
                 self._error_sums[scope] = ((1 - a) * e + a * tokens * abs(seconds - predicted) / predicted,
                                            (1 - a) * w + a * tokens)
@@ -93,8 +97,12 @@ class PrefillRates:
             xy, xx = self._slowdown_sums
             self._slowdown_sums = ((1 - a) * xy + a * x * (seconds - tokens / rate), (1 - a) * xx + a * x * x)
         net = max(seconds - self.decode_slowdown() * x, 0.0)
-        t, s = self._sums.get(key, (float(tokens), net))
-        self._sums[key] = ((1 - a) * t + a * tokens, (1 - a) * s + a * net)
+        old = self._sums.get(key)
+        t, s = old if old is not None else (float(tokens), net)
+        new = self._sums[key] = ((1 - a) * t + a * tokens, (1 - a) * s + a * net)
+        pt, ps = self._pooled
+        ot, os_ = old if old is not None else (0.0, 0.0)
+        self._pooled = (pt + new[0] - ot, ps + new[1] - os_)
 
     def decode_slowdown(self) -> float:
         """Seconds per prefilled token per active decode block of the worker (>= 0)."""
@@ -114,8 +122,7 @@ class PrefillRates:
 
     def fleet_rate(self) -> float | None:
         """The workers' decayed sums pooled: the fleet's tokens/s (None: no sample)."""
-        tokens = sum(t for t, _ in self._sums.values())
-        seconds = sum(s for _, s in self._sums.values())
+        tokens, seconds = self._pooled
         return tokens / seconds if seconds > 0 else None
 
     def rates_for(self, keys: Sequence[WorkerKey], prior: float, scope: str) -> list[float]:
@@ -134,4 +141,5 @@ class PrefillRates:
         return list(self._sums)
 
     def forget(self, key: WorkerKey) -> None:
-        self._sums.pop(key, None)
+        if self._sums.pop(key, None) is not None:  # rare (a worker gone): summed afresh
+            self._pooled = (sum(t for t, _ in self._sums.values()), sum(s for _, s in self._sums.values()))

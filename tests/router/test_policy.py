@@ -144,6 +144,20 @@ def test_the_fleet_scope_prices_every_worker_at_the_pooled_rate() -> None:
         SchedulerConfig(ttft_rate_scope="rack")
 
 
+def test_the_pooled_rate_kept_as_sums_change_is_the_sum_over_the_workers() -> None:
+    rng = random.Random(7)
+    r = PrefillRates(alpha=0.05)
+    keys = [WorkerKey(w, d) for w in range(6) for d in range(2)]
+    for n in range(3000):
+        r.observe(rng.choice(keys), rng.randrange(1, 40_000), rng.uniform(0.001, 3.0), rng.randrange(0, 300))
+        if n % 700 == 699:
+            r.forget(rng.choice(keys))
+        # Each worker's rate is tokens / seconds of its sums: pooled, Σ tokens / Σ seconds.
+        tokens = sum(r._sums[k][0] for k in r.keys())  # noqa: SLF001 (the sums the pooled figure must equal)
+        seconds = sum(r._sums[k][1] for k in r.keys())  # noqa: SLF001
+        assert r.fleet_rate() == pytest.approx(tokens / seconds, rel=1e-9), n
+
+
 def test_identical_workers_look_alike_to_the_fleet_scope() -> None:
     """Two identical workers whose TTFTs carried different hidden work (one onboarded
     from disk, which dedup reports as device hits) learn different rates; priced at
