@@ -39,7 +39,7 @@ from kvstream.gateway.metrics import GatewayMetrics
 from kvstream.gateway.options import GatewayOptions
 from kvstream.gateway.prompts import PromptIds
 from kvstream.gateway.relay import Exchange
-from kvstream.gateway.request_body import Endpoint, parse
+from kvstream.gateway.request_body import Endpoint, parse, with_prompt_ids
 from kvstream.gateway.seams import PromptTokenizer, WorkerDirectory, WorkerEndpoint
 from kvstream.gateway.upstream import UpstreamPool
 from kvstream.logs import get_logger
@@ -206,12 +206,14 @@ class Gateway:
                 # The least loaded first (the one asked, when engines tokenize); the
                 # others in case it cannot answer.
                 by_load = sorted(up, key=lambda ep: self._per_worker.get(ep.worker_id, 0))
-                ids = await self.prompts.ids(req, len(raw), by_load, self.upstream)
+                ids, send_ids = await self.prompts.ids(req, len(raw), by_load, self.upstream)
                 if len(ids) > self.options.max_prompt_tokens:
                     raise bad_request(
                         f"the prompt has {len(ids)} tokens, more than the {self.options.max_prompt_tokens} accepted",
                         "messages" if endpoint is Endpoint.CHAT else "prompt", "context_length_exceeded",
                     )
+                if send_ids:  # the engine need not tokenize it again
+                    req, raw = with_prompt_ids(req, ids)
         except ApiError as exc:
             self._left()
             return self._refuse(exc, endpoint, known, request_id)

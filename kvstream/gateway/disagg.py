@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from kvstream.gateway.errors import unavailable
+from kvstream.gateway.request_body import dumps
 from kvstream.gateway.seams import WorkerEndpoint
 from kvstream.roles import Handoff, Role
 from kvstream.router.scheduler import SchedulerOverrides
@@ -75,7 +76,7 @@ def nixl_prefill_body(body: dict[str, Any]) -> bytes:
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     leg.pop("stream_options", None)
-    return orjson.dumps(leg)
+    return dumps(leg)
 
 
 def nixl_transfer_params(answer: bytes) -> dict[str, Any]:
@@ -92,13 +93,13 @@ def nixl_transfer_params(answer: bytes) -> dict[str, Any]:
 
 def nixl_decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
     """The decode leg: the client's request, its KV to be read from the prefill engine."""
-    return orjson.dumps({**body, "kv_transfer_params": params})
+    return dumps({**body, "kv_transfer_params": params})
 
 
 def bootstrap_body(body: dict[str, Any], prefill: WorkerEndpoint) -> bytes:
     """Both legs of a bootstrap request (one body: the engines tell their part by role)."""
     assert prefill.bootstrap_port is not None  # a bootstrap PREFILL registration names it
-    return orjson.dumps({
+    return dumps({
         **body, "bootstrap_host": urlsplit(prefill.url).hostname, "bootstrap_port": prefill.bootstrap_port,
         "bootstrap_room": secrets.randbits(_ROOM_BITS),
     })

@@ -108,6 +108,13 @@ class GatewayOptions:
     #: ``[[gateway.models]]`` gives one, else the ``/tokenize`` endpoint of one candidate
     #: engine (vLLM and SGLang serve it); ``local`` or ``engine`` only.
     tokenize: Literal["auto", "local", "engine"] = "auto"
+    #: A completions request of one text prompt goes to the worker with the token ids the
+    #: gateway routed it by in place of the text, so the engine does not tokenize it again
+    #: (as Dynamo's frontend sends its workers ids): ids an engine's ``/tokenize`` gave,
+    #: or a local tokenizer's once one engine's ``/tokenize`` gave the same ids for a
+    #: prompt of the model (else the text goes, and the disagreement is logged). Not with
+    #: ``echo`` (the answer repeats the prompt as sent) nor ``add_special_tokens: false``.
+    send_token_ids: bool = True
     #: Further workers tried when one fails before its first byte (each a different one).
     retries: int = 2
     #: Seconds to connect to a worker; seconds without a byte from it (before the first

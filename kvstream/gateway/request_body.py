@@ -1,14 +1,17 @@
 """What the gateway reads of an OpenAI request body: ``model``, ``stream``, and the
-prompt (``prompt`` or ``messages``). The body itself is never re-encoded: the worker
-gets the bytes the client sent; this only checks the fields routing needs, and says
-what is wrong with them in OpenAI's error format (kvstream.gateway.errors)."""
+prompt (``prompt`` or ``messages``). The worker gets the bytes the client sent, but for
+one change: a completions prompt of text may go as the token ids it was routed by
+(:func:`with_prompt_ids`, ``[gateway] send_token_ids``). This checks the fields routing
+needs, and says what is wrong with them in OpenAI's error format (kvstream.gateway.errors)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 import orjson
 
 from kvstream.gateway.errors import bad_request
@@ -28,7 +31,8 @@ class Endpoint(StrEnum):
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     endpoint: Endpoint
-    #: The decoded body (read only: the worker gets the raw bytes).
+    #: The decoded body (read only: the worker gets the raw bytes, or those of
+    #: :func:`with_prompt_ids`; its prompt may then be a uint32 array: :func:`dumps`).
     body: dict[str, Any]
     model: str
     stream: bool
@@ -55,6 +59,27 @@ def parse(raw: bytes, endpoint: Endpoint) -> OpenAIRequest:
     elif "input" not in body:
         raise bad_request("`input` is required", "input")
     return OpenAIRequest(endpoint, body, model, bool(stream))
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    """A request body as JSON for a worker (token ids in a numpy array as a list)."""
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def ids_replace_prompt(req: OpenAIRequest) -> bool:
+    """Whether the worker may get the prompt as the ids it was routed by, to the same
+    effect: one text prompt of a completions request, whose answer does not repeat it
+    (``echo``) and whose ids keep the special tokens the engine adds to text (as the
+    gateway's do); an engine takes ids as they are."""
+    body = req.body
+    return (req.endpoint is Endpoint.COMPLETIONS and type(body.get("prompt")) is str and not body.get("echo")
+            and body.get("add_special_tokens", True) is not False)
+
+
+def with_prompt_ids(req: OpenAIRequest, ids: Sequence[int] | np.ndarray) -> tuple[OpenAIRequest, bytes]:
+    """``req`` with ``ids`` in place of its text prompt, and its body's bytes."""
+    body = {**req.body, "prompt": ids}
+    return replace(req, body=body), dumps(body)
 
 
 def is_token_ids(value: object) -> bool:

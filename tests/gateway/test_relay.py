@@ -3,6 +3,7 @@ bytes matter), through a real broker, against real HTTP backends (tests/gateway/
 
 from __future__ import annotations
 
+import ast
 import random
 import threading
 import time
@@ -11,6 +12,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from engines.engines import wheel_source
 
 from kvstream.gateway.options import ModelTokenizerConfig
 from kvstream.gateway.tokenize import LocalTokenizer, load
@@ -245,6 +247,81 @@ def test_tokenizing_moves_on_from_an_engine_that_is_down(replica: Replica, promp
         r = s.client().completions.with_raw_response.create(model=MODEL, prompt=text)
         assert r.headers["x-kvstream-worker"] == str(s.ids[1])
         assert len(b.requests("/tokenize")) == 1
+
+
+def _prompt_sent(backend: Backend, n: int = -1) -> object:
+    return orjson.loads(backend.requests("/v1/completions")[n].body)["prompt"]
+
+
+def test_a_text_prompt_goes_as_the_ids_it_was_routed_by_once_an_engine_agrees(replica: Replica, prompt_tokenizer) -> None:
+    """The engine does not tokenize again what the gateway did (``send_token_ids``): the
+    local tokenizer's ids replace the text once one engine's /tokenize gave the same ids,
+    asked once; echo, ``add_special_tokens: false`` and chat keep what the client sent."""
+    text = "An agent's long context, tokenized once at the gateway. " * 8
+    want = list(prompt_tokenizer.completion_ids(text))
+    with running(Backend("a", chunks=3, tokenize=prompt_tokenizer.completion_ids)) as (a,), \
+            serving(replica, [a], {MODEL: prompt_tokenizer}) as s:
+        client = s.client()
+        first = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0.5)
+        streamed = list(client.completions.create(model=MODEL, prompt=text, max_tokens=3, stream=True))
+        assert first.choices[0].text == "t0 t1 t2 "
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == "t0 t1 t2 "
+        assert len(a.requests("/tokenize")) == 1  # the check, once
+        for n in (0, 1):
+            body = orjson.loads(a.requests("/v1/completions")[n].body)
+            assert body["prompt"] == want and body["model"] == MODEL and body["max_tokens"] == 3
+        assert orjson.loads(a.requests("/v1/completions")[0].body)["temperature"] == 0.5
+        assert orjson.loads(a.requests("/v1/completions")[1].body)["stream"] is True
+        client.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True)
+        assert _prompt_sent(a) == text
+        client.completions.create(model=MODEL, prompt=text, max_tokens=3, extra_body={"add_special_tokens": False})
+        assert _prompt_sent(a) == text
+        client.completions.create(model=MODEL, prompt=[text], max_tokens=3)  # a batch goes as it is
+        assert _prompt_sent(a) == [text]
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}])
+        assert orjson.loads(a.requests("/v1/chat/completions")[-1].body)["messages"][0]["content"] == text
+        assert len(a.requests("/tokenize")) == 1
+
+
+@pytest.mark.parametrize("case", ["disagrees", "fails", "off"])
+def test_a_local_tokenizer_no_engine_confirms_sends_text(replica: Replica, prompt_tokenizer, case: str) -> None:
+    """Ids the engine would not have made never replace the text: an engine whose
+    /tokenize disagrees, one that fails (asked again only after a while), or the setting off."""
+    text = "A prompt whose ids the engine must agree with first. " * 4
+    backend = Backend(case, tokenize=None if case == "fails" else  # no tokenizer: its /tokenize answers 500
+                      lambda t: [7] * len(prompt_tokenizer.completion_ids(t)) if case == "disagrees" else None)
+    options = {"send_token_ids": False} if case == "off" else {}
+    with running(backend) as (b,), serving(replica, [b], {MODEL: prompt_tokenizer}, **options) as s:
+        for _ in range(3):
+            s.client().completions.create(model=MODEL, prompt=text, max_tokens=2)
+        assert [_prompt_sent(b, n) for n in range(3)] == [text] * 3
+        assert len(b.requests("/tokenize")) == (0 if case == "off" else 1)
+
+
+def test_an_engines_own_ids_replace_the_text_with_no_second_question(replica: Replica, prompt_tokenizer) -> None:
+    text = "Engines tokenize this one, and then need not again. " * 4
+    with running(Backend("a", tokenize=prompt_tokenizer.completion_ids)) as (a,), serving(replica, [a], tokenize="engine") as s:
+        for _ in range(2):
+            s.client().completions.create(model=MODEL, prompt=text, max_tokens=2)
+        assert len(a.requests("/tokenize")) == 2  # one per request: to route it
+        assert _prompt_sent(a, 0) == _prompt_sent(a, 1) == list(prompt_tokenizer.completion_ids(text))
+
+
+def test_the_fields_the_ids_rule_reads_are_the_engines_own() -> None:
+    """vLLM and SGLang take a completions prompt as token ids, and name ``echo`` and
+    (vLLM) ``add_special_tokens`` as read here (their protocol classes, pinned wheels)."""
+    vllm = ast_class(wheel_source("vllm", "vllm/entrypoints/openai/completion/protocol.py"), "CompletionRequest")
+    sglang = ast_class(wheel_source("sglang", "sglang/srt/entrypoints/openai/protocol.py"), "CompletionRequest")
+    assert {"prompt", "echo", "add_special_tokens"} <= set(vllm) and {"prompt", "echo"} <= set(sglang)
+    assert "list[Annotated[int" in vllm["prompt"].replace(" ", "") or "list[int]" in vllm["prompt"]
+    assert "List[int]" in sglang["prompt"]
+
+
+def ast_class(source: str, name: str) -> dict[str, str]:
+    """Field name → its annotation's source, of class ``name`` in ``source``."""
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name)
+    return {s.target.id: ast.unparse(s.annotation) for s in cls.body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
 
 
 def test_the_engines_own_4xx_comes_back_as_it_is_and_is_not_retried(replica: Replica) -> None:
