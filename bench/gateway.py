@@ -101,7 +101,9 @@ def kvstream_front(
     tokens are the prompt's bytes, free to compute) or ``local`` (the model's tokenizer
     file in the gateway, as a fleet with tokenizer files runs it: the DeepSeek
     ``tokenizer.json`` of kvstream.tools.tokenizer_file, ~280 µs of the gateway's CPU for a
-    2,000-character prompt of the bench, which has no added tokens to cache at)."""
+    2,000-character prompt of the bench, which has no added tokens to cache at). Bodies go
+    as the client sent them (``send_token_ids = false``): every front then asks the same
+    work of the backend, whose tokenizing is free, where an engine's is not."""
     require_gateway()
     if tokenize == "local":
         try:
@@ -119,7 +121,7 @@ def kvstream_front(
             f"bootstrap = {q(settings.bootstrap)}\n\n"
             f"[topics]\nprefix = {q(settings.topics.prefix)}\n\n"
             f"[replica]\nhost = \"127.0.0.1\"\nport = {port}\nsnapshot_dir = {q(str(Path(tmp) / 'snapshots'))}\n\n"
-            f"[gateway]\ntokenize = {q(tokenize)}\n\n{workers}"
+            f"[gateway]\ntokenize = {q(tokenize)}\nsend_token_ids = false\n\n{workers}"
             + (f"[[gateway.models]]\nname = {q(MODEL)}\ntokenizer = {q(str(tokenizer))}\n" if tokenize == "local" else "")
         )
         # Warnings only, as the peers run (``--log-level warn``): the gateway's line per
