@@ -57,8 +57,8 @@ class _EngineDown(Exception):
 class PromptIds:
     def __init__(self, tokenizers: Mapping[str, PromptTokenizer], options: GatewayOptions) -> None:
         self.tokenizers, self.options = tokenizers, options
-        #: Model → whether an engine's /tokenize gave its local tokenizer's ids (absent:
-        #: not asked yet, or the engine asked could not answer).
+        #: Model → whether an engine's /tokenize gave its local tokenizer's ids (False also
+        #: when it cannot say; absent: not asked yet, or the engine asked was down).
         self._agrees: dict[str, bool] = {}
         #: Models whose check is under way (one request asks; the others send text meanwhile).
         self._checking: set[str] = set()
